@@ -1,0 +1,177 @@
+"""Run configuration: frozen dataclasses, `--set a.b=value` overrides and a round trip through JSON-ready dicts.
+
+A run's whole configuration is one `Config`: the shared sections `model`, `optim` and `train`,
+plus `data`, a frozen dataclass that each task defines for its own options. Presets are plain
+Python functions in the task module that return a `Config`. Overrides are parsed with
+`ast.literal_eval` (never `eval`), type-checked against the field's annotation, and unknown keys
+are rejected with the valid ones listed.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from core.errors import UserError
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """The shared Transformer body."""
+
+    d_model: int = 256
+    num_layers: int = 4
+    num_heads: int = 4
+    mlp_dim: int = 1024
+    dropout: float = 0.1
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+    mlp: Literal["gelu", "swiglu"] = "gelu"
+    positions: Literal["learned", "rotary"] = "learned"
+    max_len: int = 512
+    causal: bool = False
+    # "xla" runs everywhere; "cudnn" selects the fused flash kernel on NVIDIA GPUs.
+    attention: Literal["xla", "cudnn"] = "xla"
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    """AdamW with linear warm-up, cosine decay and global-norm clipping."""
+
+    learning_rate: float = 1e-3
+    warmup_steps: int = 100
+    end_lr_ratio: float = 0.0
+    weight_decay: float = 0.01
+    clip_norm: float = 1.0
+    b1: float = 0.9
+    b2: float = 0.98
+    eps: float = 1e-8
+    label_smoothing: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """The fit loop, parallelism and numerics."""
+
+    batch_size: int = 32
+    eval_batch_size: int = 128
+    steps: int = 1000
+    eval_every: int = 250
+    checkpoint_every: int = 250
+    log_every: int = 25
+    seed: int = 0
+    grad_accum: int = 1
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    remat: bool = False
+    # Devices on the `fsdp` mesh axis; parameters are sharded over it, the batch over all.
+    fsdp: int = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    """One run: which task and preset, the shared sections and the task's own `data` options."""
+
+    task: str
+    preset: str
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: Any = None
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict, data_type: type) -> Config:
+        return cls(
+            task=raw["task"],
+            preset=raw["preset"],
+            model=_from_dict(ModelConfig, raw["model"]),
+            optim=_from_dict(OptimConfig, raw["optim"]),
+            train=_from_dict(TrainConfig, raw["train"]),
+            data=_from_dict(data_type, raw["data"]),
+        )
+
+
+def _from_dict(cls: type, raw: dict) -> Any:
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for f in dataclasses.fields(cls):
+        if f.name in raw:
+            value = raw[f.name]
+            if isinstance(value, list):
+                value = tuple(value)
+            values[f.name] = _check(value, hints[f.name], f"{cls.__name__}.{f.name}")
+    return cls(**values)
+
+
+def apply_overrides(config: Config, overrides: list[str]) -> Config:
+    """Returns `config` with each `section.key=value` of `overrides` applied, checked."""
+    for item in overrides:
+        path, sep, text = item.partition("=")
+        if not sep or not path.strip():
+            raise UserError(f"--set {item!r}: expected KEY=VALUE, for example --set train.steps=500.")
+        config = _set(config, path.strip().split("."), _parse(text.strip(), item), item)
+    return config
+
+
+def _parse(text: str, item: str) -> Any:
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        # Bare words such as `rmsnorm` are strings; quoting them on a shell line is a chore.
+        if text.replace("_", "").replace("-", "").isalnum():
+            return text
+        raise UserError(f"--set {item!r}: {text!r} is not a Python literal.") from None
+
+
+def _set(node: Any, path: list[str], value: Any, item: str) -> Any:
+    if not dataclasses.is_dataclass(node):
+        raise UserError(f"--set {item!r}: {type(node).__name__} has no fields to set.")
+    names = [f.name for f in dataclasses.fields(node)]
+    key = path[0]
+    if key not in names:
+        raise UserError(f"--set {item!r}: unknown key {key!r}; valid keys here: {', '.join(names)}.")
+    if len(path) > 1:
+        return dataclasses.replace(node, **{key: _set(getattr(node, key), path[1:], value, item)})
+    hint = typing.get_type_hints(type(node))[key]
+    return dataclasses.replace(node, **{key: _check(value, hint, item)})
+
+
+def _check(value: Any, hint: Any, where: str) -> Any:
+    """Returns `value` if it fits the annotation `hint` (ints widen to floats), else raises."""
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        if value in typing.get_args(hint):
+            return value
+        choices = ", ".join(repr(c) for c in typing.get_args(hint))
+        raise UserError(f"{where}: {value!r} is not one of {choices}.")
+    if origin in (typing.Union, types.UnionType):
+        for option in typing.get_args(hint):
+            try:
+                return _check(value, option, where)
+            except UserError:
+                continue
+        raise UserError(f"{where}: {value!r} does not fit {hint}.")
+    if hint is type(None):
+        if value is None:
+            return value
+    elif origin is tuple:
+        if isinstance(value, (tuple, list)):
+            return tuple(value)
+    elif hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif isinstance(hint, type):
+        if isinstance(value, hint):
+            return value
+    else:
+        return value
+    name = getattr(hint, "__name__", str(hint))
+    raise UserError(f"{where}: expected {name}, got {value!r}.")

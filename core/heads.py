@@ -1,0 +1,55 @@
+"""Input embedders and output heads that several tasks share.
+
+Every head takes the body's hidden states [B, T, D] and the padding mask [B, T] and returns the
+task's outputs, so that `Model` can call any of them the same way.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+class TokenEmbedder(nnx.Module):
+    """Token ids [B, T] -> vectors [B, T, D]; positions are added by the body."""
+
+    def __init__(self, vocab_size: int, d_model: int, *, rngs: nnx.Rngs):
+        init = nnx.initializers.normal(stddev=d_model**-0.5)
+        self.embedding = nnx.Embed(vocab_size, d_model, embedding_init=init, rngs=rngs)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        return self.embedding(tokens)
+
+
+class PooledClassifier(nnx.Module):
+    """Masked mean of the hidden states, then a linear layer: -> logits [B, C]."""
+
+    def __init__(self, d_model: int, num_classes: int, *, rngs: nnx.Rngs):
+        self.linear = nnx.Linear(d_model, num_classes, rngs=rngs)
+
+    def __call__(self, hidden: jax.Array, mask: jax.Array) -> jax.Array:
+        weights = mask.astype(hidden.dtype)[..., None]
+        pooled = (hidden * weights).sum(1) / jnp.maximum(weights.sum(1), 1)
+        return self.linear(pooled).astype(jnp.float32)
+
+
+class TokenClassifier(nnx.Module):
+    """A linear layer at every position: -> logits [B, T, C]."""
+
+    def __init__(self, d_model: int, num_classes: int, *, rngs: nnx.Rngs):
+        self.linear = nnx.Linear(d_model, num_classes, rngs=rngs)
+
+    def __call__(self, hidden: jax.Array, mask: jax.Array) -> jax.Array:
+        return self.linear(hidden).astype(jnp.float32)
+
+
+class TiedOutput(nnx.Module):
+    """Logits over a vocabulary from the input embedding table itself: -> [B, T, V]."""
+
+    def __init__(self, embedder: TokenEmbedder):
+        self.embedder = embedder
+
+    def __call__(self, hidden: jax.Array, mask: jax.Array) -> jax.Array:
+        table = self.embedder.embedding.embedding.value.astype(hidden.dtype)
+        return jnp.einsum("BTD,VD->BTV", hidden, table).astype(jnp.float32)

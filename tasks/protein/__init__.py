@@ -1,0 +1,1 @@
+"""Protein sequence prediction: not yet implemented, see the issues."""

@@ -1,0 +1,1 @@
+"""Sequential recommendation (SASRec, BERT4Rec): not yet implemented, see the issues."""

@@ -1,0 +1,1 @@
+"""Speech recognition with CTC: not yet implemented, see the issues."""
