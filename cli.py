@@ -1,0 +1,184 @@
+"""The `apps` command line: tasks, train, eval, predict, bench.
+
+JAX and the task modules are imported inside the commands so that `apps --help` answers at
+once. A `UserError` from anywhere below is printed as one paragraph with exit code 1.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from core.errors import UserError
+
+app = typer.Typer(
+    help="JAX/Flax Transformer pipelines for real domain problems.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+TaskArg = Annotated[str, typer.Argument(help="Task name; `apps tasks` lists them.")]
+WorkdirOpt = Annotated[Path, typer.Option("--workdir", "-w", help="Run folder: config, featurizer, checkpoints, metrics.")]
+DataOpt = Annotated[
+    Optional[str], typer.Option("--data", help="A CSV/TSV/JSONL/parquet file, or a hub dataset name when online; default: the task's embedded data.")
+]
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(highlight=False)
+
+
+def user_errors(command):
+    """Prints a UserError as a message and exits 1, without a traceback."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except UserError as error:
+            typer.secho(f"Error: {error}", fg=typer.colors.RED, err=True)
+            raise typer.Exit(1) from None
+
+    return wrapper
+
+
+def _task(name: str) -> type:
+    import tasks
+
+    return tasks.get(name)
+
+
+@app.command("tasks")
+@user_errors
+def list_tasks() -> None:
+    """List the tasks with their default data, model, metrics and presets."""
+    from rich.table import Table
+
+    import tasks
+
+    table = Table(title="Tasks")
+    for column in ("task", "what", "default data", "model", "metrics", "presets"):
+        table.add_column(column)
+    for name in sorted(tasks.REGISTRY):
+        task = tasks.get(name)
+        presets = ", ".join(f"{p}*" if p == task.default_preset else p for p in task.presets)
+        table.add_row(name, task.summary, task.default_data, task.model_summary, ", ".join(task.metric_names), presets)
+    _console().print(table)
+
+
+@app.command()
+@user_errors
+def train(
+    task: TaskArg,
+    workdir: WorkdirOpt = None,
+    preset: Annotated[Optional[str], typer.Option(help="Preset name (default: the task's default preset).")] = None,
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override KEY=VALUE, e.g. train.steps=500; repeatable.")] = None,
+    data: DataOpt = None,
+    coordinator: Annotated[Optional[str], typer.Option(help="Multi-process: coordinator HOST:PORT.")] = None,
+    num_processes: Annotated[Optional[int], typer.Option(help="Multi-process: number of processes.")] = None,
+    process_id: Annotated[Optional[int], typer.Option(help="Multi-process: this process's index.")] = None,
+) -> None:
+    """Train TASK in WORKDIR; an existing run there is resumed from its last checkpoint."""
+    task_type = _task(task)
+    from core import run, sharding
+
+    sharding.initialize_distributed(coordinator, num_processes, process_id)
+    workdir = workdir or Path("runs") / task
+    metrics = run.train(task_type, workdir=workdir, preset=preset, overrides=set_ or [], data=data, console=_console())
+    _print_metrics(f"{task}: validation", metrics)
+    typer.echo(f"Run saved in {workdir}.")
+
+
+@app.command("eval")
+@user_errors
+def evaluate(
+    task: TaskArg,
+    workdir: WorkdirOpt = None,
+    split: Annotated[str, typer.Option(help="valid or test.")] = "test",
+    data: DataOpt = None,
+) -> None:
+    """Score the best checkpoint of WORKDIR on a split; writes WORKDIR/eval_<split>.json."""
+    if split not in ("valid", "test"):
+        raise UserError(f"--split {split!r}: expected valid or test.")
+    task_type = _task(task)
+    from core import run
+
+    workdir = workdir or Path("runs") / task
+    result = run.evaluate(task_type, workdir, split=split, data=data)
+    baselines = result.pop("baselines", {})
+    _print_metrics(f"{task} on {split}: {result.pop('dataset')}; {result.pop('protocol')}", result, baselines)
+    typer.echo(f"Wrote {workdir / f'eval_{split}.json'}.")
+
+
+@app.command()
+@user_errors
+def predict(
+    task: TaskArg,
+    inputs: Annotated[Optional[list[str]], typer.Argument(help="Inputs; read from stdin, one per line, when absent.")] = None,
+    workdir: WorkdirOpt = None,
+) -> None:
+    """Predict with the best checkpoint of WORKDIR."""
+    task_type = _task(task)
+    lines = inputs or _stdin_lines()
+    from rich.table import Table
+
+    from core import run
+
+    rows = run.predict(task_type, workdir or Path("runs") / task, lines)
+    table = Table()
+    for column in rows[0]:
+        table.add_column(column)
+    for row in rows:
+        table.add_row(*row.values())
+    _console().print(table)
+
+
+@app.command()
+@user_errors
+def bench(
+    configs: Annotated[Optional[list[str]], typer.Argument(help="Benchmark configs: small, big (default both).")] = None,
+    steps: Annotated[int, typer.Option(help="Timed steps per config, after warm-up.")] = 10,
+) -> None:
+    """Time the core's jitted train step (tokens/s, step time, compile time, MFU)."""
+    from core import bench as bench_lib
+
+    bench_lib.main(configs or list(bench_lib.CONFIGS), steps, _console())
+
+
+def _stdin_lines() -> list[str]:
+    if sys.stdin is None or sys.stdin.isatty():
+        raise UserError("No inputs: pass them as arguments or pipe them in, one per line.")
+    lines = []
+    for number, raw in enumerate(sys.stdin.buffer.read().splitlines(), start=1):
+        try:
+            lines.append(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise UserError(f"stdin line {number} is not valid UTF-8.") from None
+    return lines
+
+
+def _print_metrics(title: str, metrics: dict, baselines: dict | None = None) -> None:
+    from rich.table import Table
+
+    baselines = baselines or {}
+    table = Table(title=title)
+    table.add_column("metric")
+    table.add_column("model", justify="right")
+    for name in baselines:
+        table.add_column(name, justify="right")
+    for key, value in metrics.items():
+        if isinstance(value, float):
+            others = [f"{b[key]:.4f}" if key in b else "" for b in baselines.values()]
+            table.add_row(key, f"{value:.4f}", *others)
+    _console().print(table)
+
+
+if __name__ == "__main__":
+    app()
