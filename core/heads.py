@@ -67,4 +67,4 @@ class TiedOutput(nnx.Module):
         self.embedder = embedder
 
     def __call__(self, hidden: jax.Array, mask: jax.Array) -> Projection:
-        return Projection(hidden, self.embedder.embedding.embedding.value)
+        return Projection(hidden, self.embedder.embedding.embedding[...])

@@ -21,11 +21,15 @@ from core.errors import UserError
 BATCH_AXES = ("data", "fsdp")
 
 
-def make_mesh(fsdp: int = 1) -> Mesh:
-    count = jax.device_count()
+def make_mesh(fsdp: int = 1, devices: list | None = None) -> Mesh:
+    """A mesh over `devices` (default: every device of every process)."""
+    devices = devices or jax.devices()
+    count = len(devices)
     if fsdp < 1 or count % fsdp:
         raise UserError(f"train.fsdp={fsdp} must be a positive divisor of the {count} devices.")
-    return jax.make_mesh((count // fsdp, fsdp, 1), ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3)
+    return jax.make_mesh(
+        (count // fsdp, fsdp, 1), ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3, devices=devices
+    )
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

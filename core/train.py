@@ -63,14 +63,15 @@ class Steps:
     mesh: Mesh
 
 
-def make_steps(task: Task, model: Model, config: Config, total_steps: int) -> Steps:
+def make_steps(task: Task, model: Model, config: Config, total_steps: int, devices: list | None = None) -> Steps:
     train = config.train
-    mesh = sharding.make_mesh(train.fsdp)
+    mesh = sharding.make_mesh(train.fsdp, devices)
     graphdef, params = nnx.split(model)
-    params = sharding.place_params(mesh, nnx.to_pure_dict(params))
+    params = nnx.to_pure_dict(params)
     tx = optimizer(config.optim, total_steps)
-    step = jax.device_put(jnp.zeros((), jnp.int32), sharding.replicated(mesh))
-    state = {"params": params, "opt_state": jax.jit(tx.init)(params), "step": step}
+    # Optimizer moments follow their parameter's placement: the rule depends on shape alone.
+    state = {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
+    state = sharding.place_params(mesh, state)
     state_sharding = jax.tree.map(lambda x: x.sharding, state)
     base_key = jax.random.key(train.seed)
 
@@ -108,7 +109,7 @@ def make_steps(task: Task, model: Model, config: Config, total_steps: int) -> St
         grads = jax.tree.map(lambda g: g / weight, grads)
         updates, opt_state = tx.update(grads, state["opt_state"], params)
         new_state = {"params": optax.apply_updates(params, updates), "opt_state": opt_state, "step": state["step"] + 1}
-        return new_state, {"loss": total / weight, "grad_norm": optax.global_norm(grads)}
+        return new_state, {"loss": total / weight, "grad_norm": optax.tree.norm(grads)}
 
     def eval_step(params, batch):
         outputs = forward(params, batch, None)

@@ -37,9 +37,10 @@ class Norm(nnx.Module):
         if self.kind == "layernorm":
             y = y - y.mean(-1, keepdims=True)
         y = y * jax.lax.rsqrt((y * y).mean(-1, keepdims=True) + 1e-6)
-        y = y * self.scale.value.astype(jnp.float32)
+        shape = (1,) * (y.ndim - 1) + (-1,)
+        y = y * self.scale[...].reshape(shape)
         if self.bias is not None:
-            y = y + self.bias.value.astype(jnp.float32)
+            y = y + self.bias[...].reshape(shape)
         return y.astype(x.dtype)
 
 
@@ -47,7 +48,7 @@ def rotary(x: jax.Array, positions: jax.Array, base: float = 10_000.0) -> jax.Ar
     """Rotary position embedding of x [B, T, N, H] at integer positions [B, T]."""
     half = x.shape[-1] // 2
     inv_freq = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angle = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, H/2]
+    angle = positions[..., None].astype(jnp.float32) * inv_freq[None, None, :]  # [B, T, H/2]
     sin, cos = jnp.sin(angle)[:, :, None, :], jnp.cos(angle)[:, :, None, :]
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)

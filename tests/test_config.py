@@ -1,0 +1,39 @@
+"""Config overrides, their checks, and the JSON round trip."""
+
+import json
+
+import pytest
+
+from core.config import Config, apply_overrides
+from core.errors import UserError
+from tasks.nlp.sentiment import SentimentData, base
+
+
+def test_overrides_reach_every_section():
+    config = apply_overrides(base(), ["model.d_model=64", "train.steps=7", "optim.learning_rate=1e-2",
+                                      "model.norm=rmsnorm", "data.labels=five", "optim.warmup_steps=0"])
+    assert (config.model.d_model, config.train.steps, config.optim.learning_rate) == (64, 7, 0.01)
+    assert config.model.norm == "rmsnorm" and config.data.labels == "five"
+
+
+def test_int_widens_to_float_but_not_back():
+    assert apply_overrides(base(), ["optim.learning_rate=1"]).optim.learning_rate == 1.0
+    with pytest.raises(UserError, match="expected int"):
+        apply_overrides(base(), ["train.steps=1.5"])
+
+
+def test_unknown_key_lists_valid_ones():
+    with pytest.raises(UserError, match=r"unknown key 'dmodel'.*d_model, num_layers"):
+        apply_overrides(base(), ["model.dmodel=3"])
+
+
+@pytest.mark.parametrize("item", ["train.steps", "model.norm=batchnorm", "train.remat=maybe?", "=3"])
+def test_bad_overrides_are_user_errors(item):
+    with pytest.raises(UserError):
+        apply_overrides(base(), [item])
+
+
+def test_json_round_trip():
+    config = apply_overrides(base(), ["model.d_model=96", "data.labels=raw"])
+    again = Config.from_dict(json.loads(json.dumps(config.to_dict())), SentimentData)
+    assert again == config

@@ -1,0 +1,75 @@
+"""The shared body: shapes, causality, padding invariance, and every option combination."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from core.config import ModelConfig
+from core.heads import PooledClassifier, TokenEmbedder
+from core.transformer import Model, Transformer
+
+CONFIG = ModelConfig(d_model=32, num_layers=2, num_heads=4, mlp_dim=64, max_len=16, dropout=0.0)
+
+
+def body(**changes):
+    return Transformer(ModelConfig(**{**CONFIG.__dict__, **changes}), rngs=nnx.Rngs(0))
+
+
+def inputs(B=2, T=10, seed=0):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal((B, T, CONFIG.d_model), np.float32))
+
+
+@pytest.mark.parametrize(
+    "norm,mlp,positions,causal", list(itertools.product(["layernorm", "rmsnorm"], ["gelu", "swiglu"], ["learned", "rotary"], [False, True]))
+)
+def test_output_shape_for_every_option(norm, mlp, positions, causal):
+    model = body(norm=norm, mlp=mlp, positions=positions, causal=causal)
+    out = model(inputs(), jnp.ones((2, 10), bool))
+    assert out.shape == (2, 10, 32) and bool(jnp.all(jnp.isfinite(out)))
+
+
+@pytest.mark.parametrize("positions", ["learned", "rotary"])
+def test_causal_outputs_ignore_the_future(positions):
+    model = body(causal=True, positions=positions)
+    x = inputs()
+    changed = x.at[:, 6:].set(5.0)
+    mask = jnp.ones((2, 10), bool)
+    a, b = model(x, mask), model(changed, mask)
+    np.testing.assert_allclose(a[:, :6], b[:, :6], atol=1e-5)
+    assert not np.allclose(a[:, 6:], b[:, 6:])
+
+
+def test_bidirectional_outputs_see_the_future():
+    model = body(causal=False)
+    x = inputs()
+    a, b = model(x, jnp.ones((2, 10), bool)), model(x.at[:, 6:].set(5.0), jnp.ones((2, 10), bool))
+    assert not np.allclose(a[:, :6], b[:, :6])
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_padding_does_not_change_real_positions(causal):
+    model = body(causal=causal)
+    mask = jnp.asarray(np.arange(10) < 7)[None].repeat(2, 0)
+    x = inputs()
+    a, b = model(x, mask), model(x.at[:, 7:].set(-3.0), mask)
+    np.testing.assert_allclose(a[:, :7], b[:, :7], atol=1e-5)
+
+
+def test_pooled_classifier_ignores_padding_length():
+    rngs = nnx.Rngs(0)
+    model = Model(TokenEmbedder(50, 32, rngs=rngs), body(), PooledClassifier(32, 3, rngs=rngs))
+    tokens = jnp.asarray([[5, 6, 7, 0, 0, 0]])
+    short = {"inputs": tokens[:, :4], "mask": tokens[:, :4] > 0}
+    long = {"inputs": tokens, "mask": tokens > 0}
+    np.testing.assert_allclose(model(short), model(long), atol=1e-5)
+
+
+def test_dropout_is_active_only_with_a_key():
+    model = body(dropout=0.5)
+    x, mask = inputs(), jnp.ones((2, 10), bool)
+    np.testing.assert_array_equal(model(x, mask), model(x, mask))
+    assert not np.allclose(model(x, mask, dropout_key=jax.random.key(1)), model(x, mask))
