@@ -23,9 +23,15 @@ app = typer.Typer(
 )
 
 TaskArg = Annotated[str, typer.Argument(help="Task name; `apps tasks` lists them.")]
-WorkdirOpt = Annotated[Path, typer.Option("--workdir", "-w", help="Run folder: config, featurizer, checkpoints, metrics.")]
+WorkdirOpt = Annotated[
+    Path, typer.Option("--workdir", "-w", help="Run folder: config, featurizer, checkpoints, metrics.")
+]
 DataOpt = Annotated[
-    Optional[str], typer.Option("--data", help="A CSV/TSV/JSONL/parquet file, or a hub dataset name when online; default: the task's embedded data.")
+    Optional[str],
+    typer.Option(
+        "--data",
+        help="A CSV/TSV/JSONL/parquet file, or a hub dataset name when online; default: the task's embedded data.",
+    ),
 ]
 
 
@@ -79,7 +85,9 @@ def train(
     task: TaskArg,
     workdir: WorkdirOpt = None,
     preset: Annotated[Optional[str], typer.Option(help="Preset name (default: the task's default preset).")] = None,
-    set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override KEY=VALUE, e.g. train.steps=500; repeatable.")] = None,
+    set_: Annotated[
+        Optional[list[str]], typer.Option("--set", help="Override KEY=VALUE, e.g. train.steps=500; repeatable.")
+    ] = None,
     data: DataOpt = None,
     coordinator: Annotated[Optional[str], typer.Option(help="Multi-process: coordinator HOST:PORT.")] = None,
     num_processes: Annotated[Optional[int], typer.Option(help="Multi-process: number of processes.")] = None,
@@ -121,7 +129,9 @@ def evaluate(
 @user_errors
 def predict(
     task: TaskArg,
-    inputs: Annotated[Optional[list[str]], typer.Argument(help="Inputs; read from stdin, one per line, when absent.")] = None,
+    inputs: Annotated[
+        Optional[list[str]], typer.Argument(help="Inputs; read from stdin, one per line, when absent.")
+    ] = None,
     workdir: WorkdirOpt = None,
 ) -> None:
     """Predict with the best checkpoint of WORKDIR."""
@@ -143,7 +153,9 @@ def predict(
 @app.command()
 @user_errors
 def bench(
-    configs: Annotated[Optional[list[str]], typer.Argument(help="Benchmark configs: small, big (default both).")] = None,
+    configs: Annotated[
+        Optional[list[str]], typer.Argument(help="Benchmark configs: small, big (default both).")
+    ] = None,
     steps: Annotated[int, typer.Option(help="Timed steps per config, after warm-up.")] = 10,
 ) -> None:
     """Time the core's jitted train step (tokens/s, step time, compile time, MFU)."""

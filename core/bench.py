@@ -76,8 +76,13 @@ def run_config(bench: BenchConfig, steps: int) -> dict[str, float]:
         task="bench",
         preset="bench",
         model=ModelConfig(
-            d_model=bench.d_model, num_layers=bench.num_layers, num_heads=bench.num_heads, mlp_dim=bench.mlp_dim,
-            max_len=bench.seq_len, dropout=0.0, causal=True,
+            d_model=bench.d_model,
+            num_layers=bench.num_layers,
+            num_heads=bench.num_heads,
+            mlp_dim=bench.mlp_dim,
+            max_len=bench.seq_len,
+            dropout=0.0,
+            causal=True,
         ),
         optim=OptimConfig(warmup_steps=1),
         train=TrainConfig(batch_size=bench.batch_size, steps=steps + 2),
@@ -90,10 +95,14 @@ def run_config(bench: BenchConfig, steps: int) -> dict[str, float]:
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, bench.vocab_size, (bench.batch_size, bench.seq_len + 1), dtype=np.int32)
     batch = {
-        "inputs": tokens[:, :-1], "targets": tokens[:, 1:],
-        "mask": np.ones((bench.batch_size, bench.seq_len), bool), "weights": np.ones(bench.batch_size, np.float32),
+        "inputs": tokens[:, :-1],
+        "targets": tokens[:, 1:],
+        "mask": np.ones((bench.batch_size, bench.seq_len), bool),
+        "weights": np.ones(bench.batch_size, np.float32),
     }
-    batch = jax.device_put(batch, jax.sharding.NamedSharding(compiled.mesh, jax.sharding.PartitionSpec(("data", "fsdp"))))
+    batch = jax.device_put(
+        batch, jax.sharding.NamedSharding(compiled.mesh, jax.sharding.PartitionSpec(("data", "fsdp")))
+    )
     state = compiled.state
     started = time.perf_counter()
     step = compiled.train_step.lower(state, batch).compile()
@@ -109,8 +118,14 @@ def run_config(bench: BenchConfig, steps: int) -> dict[str, float]:
     step_s = float(np.median(times))
     tokens_per_s = bench.batch_size * bench.seq_len / step_s
     flops_per_token = 6 * matmul_params + 12 * bench.num_layers * bench.d_model * bench.seq_len
-    return {"tokens_per_s": tokens_per_s, "step_s": step_s, "compile_s": compile_s,
-            "flops_per_token": flops_per_token, "achieved_flops": flops_per_token * tokens_per_s, "params": matmul_params}
+    return {
+        "tokens_per_s": tokens_per_s,
+        "step_s": step_s,
+        "compile_s": compile_s,
+        "flops_per_token": flops_per_token,
+        "achieved_flops": flops_per_token * tokens_per_s,
+        "params": matmul_params,
+    }
 
 
 def matmul_peak(size: int = 2048, repeats: int = 10) -> float:
@@ -132,7 +147,9 @@ def main(names: list[str], steps: int, console: Console) -> list[dict]:
     if unknown:
         raise UserError(f"Unknown benchmark config {unknown}; choose from {', '.join(CONFIGS)}.")
     peak = matmul_peak()
-    console.print(f"jnp.dot 2048^3 f32: {peak / 1e9:.1f} GFLOP/s on {jax.devices()[0].device_kind} x{jax.device_count()}")
+    console.print(
+        f"jnp.dot 2048^3 f32: {peak / 1e9:.1f} GFLOP/s on {jax.devices()[0].device_kind} x{jax.device_count()}"
+    )
     table = Table(title="core train step (f32, AdamW)")
     for column in ("config", "params", "tokens/s", "step ms", "compile s", "GFLOP/s", "MFU"):
         table.add_column(column, justify="right")
@@ -141,7 +158,14 @@ def main(names: list[str], steps: int, console: Console) -> list[dict]:
         result = run_config(CONFIGS[name], steps)
         result["mfu"] = result["achieved_flops"] / peak
         results.append({"config": name, **dataclasses.asdict(CONFIGS[name]), **result, "peak_flops": peak})
-        table.add_row(name, f"{result['params'] / 1e6:.1f}M", f"{result['tokens_per_s']:,.0f}", f"{result['step_s'] * 1e3:.0f}",
-                      f"{result['compile_s']:.1f}", f"{result['achieved_flops'] / 1e9:.1f}", f"{result['mfu']:.1%}")
+        table.add_row(
+            name,
+            f"{result['params'] / 1e6:.1f}M",
+            f"{result['tokens_per_s']:,.0f}",
+            f"{result['step_s'] * 1e3:.0f}",
+            f"{result['compile_s']:.1f}",
+            f"{result['achieved_flops'] / 1e9:.1f}",
+            f"{result['mfu']:.1%}",
+        )
     console.print(table)
     return results

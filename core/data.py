@@ -38,8 +38,10 @@ def process_rows(batch: Arrays) -> Arrays:
 def check_batch_size(batch_size: int, what: str, multiple: int = 1) -> None:
     devices = jax.device_count() * multiple
     if batch_size < devices or batch_size % devices:
-        raise UserError(f"{what}={batch_size} must be a positive multiple of {devices} "
-                        f"(the {jax.device_count()} devices{' x grad_accum' if multiple > 1 else ''}).")
+        raise UserError(
+            f"{what}={batch_size} must be a positive multiple of {devices} "
+            f"(the {jax.device_count()} devices{' x grad_accum' if multiple > 1 else ''})."
+        )
 
 
 def train_batches(arrays: Arrays, batch_size: int, seed: int, start_step: int = 0) -> Iterator[Arrays]:

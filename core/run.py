@@ -1,10 +1,10 @@
 """The plain functions behind the CLI, for Python users too: train, evaluate, predict.
 
-    from core import run
-    import tasks
-    run.train(tasks.get("sentiment"), workdir="runs/sentiment")
-    print(run.evaluate(tasks.get("sentiment"), "runs/sentiment", split="test"))
-    print(run.predict(tasks.get("sentiment"), "runs/sentiment", ["Lovely fabric, fits well"]))
+from core import run
+import tasks
+run.train(tasks.get("sentiment"), workdir="runs/sentiment")
+print(run.evaluate(tasks.get("sentiment"), "runs/sentiment", split="test"))
+print(run.predict(tasks.get("sentiment"), "runs/sentiment", ["Lovely fabric, fits well"]))
 """
 
 from __future__ import annotations
@@ -85,8 +85,10 @@ def train(
             write_json(config_path, config.to_dict())
     valid_examples = _examples(task, "valid")
     train_arrays, valid_arrays = featurizer(train_examples), featurizer(valid_examples)
-    console.print(f"{task.name}: {len(train_examples)} train, {len(valid_examples)} valid examples; "
-                  f"featurized in {time.perf_counter() - started:.1f}s on {jax.device_count()} device(s).")
+    console.print(
+        f"{task.name}: {len(train_examples)} train, {len(valid_examples)} valid examples; "
+        f"featurized in {time.perf_counter() - started:.1f}s on {jax.device_count()} device(s)."
+    )
     steps = make_steps(task, build_model(task, featurizer, config), config, config.train.steps)
 
     def validate(params) -> dict[str, float]:
@@ -101,8 +103,10 @@ def load(task_type: type, workdir: str | Path, data: str | None = None) -> Loade
     workdir = Path(workdir)
     config_path = workdir / "config.json"
     if not config_path.exists():
-        raise UserError(f"{workdir} holds no trained run (no config.json): train one with "
-                        f"`apps train {task_type.name} --workdir {workdir}`.")
+        raise UserError(
+            f"{workdir} holds no trained run (no config.json): train one with "
+            f"`apps train {task_type.name} --workdir {workdir}`."
+        )
     config = Config.from_dict(json.loads(config_path.read_text()), task_type.data_type)
     if config.task != task_type.name:
         raise UserError(f"{workdir} holds a {config.task} run, not {task_type.name}.")
@@ -124,7 +128,9 @@ def evaluate(
     loaded = load(task_type, workdir, data)
     task, featurizer = loaded.task, loaded.featurizer
     examples = _examples(task, split)
-    streamed, predictions = evaluate_arrays(loaded.steps, loaded.params, featurizer(examples), task.config.train.eval_batch_size)
+    streamed, predictions = evaluate_arrays(
+        loaded.steps, loaded.params, featurizer(examples), task.config.train.eval_batch_size
+    )
     result: dict[str, Any] = {**task.score(predictions, examples, featurizer), "loss": streamed["loss"]}
     result.update(task.protocol(), split=split, examples=len(examples))
     if baselines:
@@ -142,4 +148,3 @@ def predict(task_type: type, workdir: str | Path, lines: Sequence[str]) -> list[
     batch_size = loaded.task.config.train.eval_batch_size
     _, predictions = evaluate_arrays(loaded.steps, loaded.params, arrays, batch_size)
     return loaded.task.render(predictions, examples, loaded.featurizer)
-

@@ -90,5 +90,7 @@ class Task(Protocol):
     def parse_inputs(self, lines: Sequence[str]) -> list[Example]:
         """Examples from the lines a user gives `apps predict`."""
 
-    def render(self, predictions: dict[str, np.ndarray], examples: Sequence[Example], featurizer: Featurizer) -> list[dict[str, str]]:
+    def render(
+        self, predictions: dict[str, np.ndarray], examples: Sequence[Example], featurizer: Featurizer
+    ) -> list[dict[str, str]]:
         """One printable row (column -> text) per prediction."""

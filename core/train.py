@@ -122,14 +122,19 @@ def make_steps(task: Task, model: Model, config: Config, total_steps: int, devic
         graphdef=graphdef,
         state=state,
         train_step=jax.jit(
-            train_step, in_shardings=(state_sharding, batch_sharding), out_shardings=(state_sharding, sharding.replicated(mesh)), donate_argnums=0
+            train_step,
+            in_shardings=(state_sharding, batch_sharding),
+            out_shardings=(state_sharding, sharding.replicated(mesh)),
+            donate_argnums=0,
         ),
         eval_step=jax.jit(eval_step),
         mesh=mesh,
     )
 
 
-def evaluate_arrays(steps: Steps, params: Any, arrays: data_lib.Arrays, batch_size: int) -> tuple[dict[str, float], dict[str, np.ndarray]]:
+def evaluate_arrays(
+    steps: Steps, params: Any, arrays: data_lib.Arrays, batch_size: int
+) -> tuple[dict[str, float], dict[str, np.ndarray]]:
     """Streamed metrics over a whole split, and the decoded predictions of its real rows."""
     data_lib.check_batch_size(batch_size, "train.eval_batch_size")
     total, decoded = None, []
@@ -137,7 +142,9 @@ def evaluate_arrays(steps: Steps, params: Any, arrays: data_lib.Arrays, batch_si
     for batch in data_lib.prefetch(data_lib.eval_batches(arrays, batch_size), place):
         streamed, predictions = steps.eval_step(params, batch)
         total = metrics_lib.add(total, streamed)
-        decoded.append(jax.tree.map(lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)), predictions))
+        decoded.append(
+            jax.tree.map(lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)), predictions)
+        )
     count = data_lib.size(arrays)
     predictions = {key: np.concatenate([d[key] for d in decoded])[:count] for key in decoded[0]}
     return metrics_lib.finish(total), predictions
@@ -195,8 +202,14 @@ def fit(
     valid_metrics: dict[str, float] = {}
     saved = start
     progress = Progress(
-        TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-        TimeRemainingColumn(), console=console, disable=jax.process_index() != 0, transient=False,
+        TextColumn("[bold]train"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeRemainingColumn(),
+        console=console,
+        disable=jax.process_index() != 0,
+        transient=False,
     )
     step = start
     try:
@@ -216,10 +229,19 @@ def fit(
                     del counts[: len(losses)]
                     examples_per_s = sum(c[0] for c in window) / elapsed
                     tokens_per_s = sum(c[1] for c in window) / elapsed
-                    record = {"step": step, "loss": float(losses.mean()), "grad_norm": float(logs["grad_norm"]),
-                              "examples_per_s": examples_per_s, "tokens_per_s": tokens_per_s}
+                    record = {
+                        "step": step,
+                        "loss": float(losses.mean()),
+                        "grad_norm": float(logs["grad_norm"]),
+                        "examples_per_s": examples_per_s,
+                        "tokens_per_s": tokens_per_s,
+                    }
                     logger.write(record)
-                    progress.update(bar, completed=step, info=f"loss {record['loss']:.4f}  {examples_per_s:,.0f} ex/s  {tokens_per_s:,.0f} tok/s")
+                    progress.update(
+                        bar,
+                        completed=step,
+                        info=f"loss {record['loss']:.4f}  {examples_per_s:,.0f} ex/s  {tokens_per_s:,.0f} tok/s",
+                    )
                     window_start, window_losses = time.perf_counter(), []
                 if step % train.eval_every == 0 or step == train.steps:
                     valid_metrics = validate(state["params"])
@@ -229,14 +251,18 @@ def fit(
                         checkpoints.save(step, state, best=True)
                         if logger.active:
                             write_json(best_path, {"step": step, "metric": selector, "value": best})
-                    progress.console.print(f"step {step}: " + "  ".join(f"valid {k} {v:.4f}" for k, v in valid_metrics.items()))
+                    progress.console.print(
+                        f"step {step}: " + "  ".join(f"valid {k} {v:.4f}" for k, v in valid_metrics.items())
+                    )
                     window_start = time.perf_counter()
                 if step % train.checkpoint_every == 0 or step == train.steps:
                     checkpoints.save(step, state)
                     saved = step
     except KeyboardInterrupt:
-        raise UserError(f"Interrupted at step {step}. The checkpoint of step {saved} in {workdir} is intact; "
-                        "run the same command again to resume from it.") from None
+        raise UserError(
+            f"Interrupted at step {step}. The checkpoint of step {saved} in {workdir} is intact; "
+            "run the same command again to resume from it."
+        ) from None
     finally:
         checkpoints.close()
     return valid_metrics

@@ -10,8 +10,17 @@ from tasks.nlp.sentiment import SentimentData, base
 
 
 def test_overrides_reach_every_section():
-    config = apply_overrides(base(), ["model.d_model=64", "train.steps=7", "optim.learning_rate=1e-2",
-                                      "model.norm=rmsnorm", "data.labels=five", "optim.warmup_steps=0"])
+    config = apply_overrides(
+        base(),
+        [
+            "model.d_model=64",
+            "train.steps=7",
+            "optim.learning_rate=1e-2",
+            "model.norm=rmsnorm",
+            "data.labels=five",
+            "optim.warmup_steps=0",
+        ],
+    )
     assert (config.model.d_model, config.train.steps, config.optim.learning_rate) == (64, 7, 0.01)
     assert config.model.norm == "rmsnorm" and config.data.labels == "five"
 

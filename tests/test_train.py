@@ -44,7 +44,9 @@ def assert_trees_close(a, b, atol):
 
 def test_overfits_one_batch(fitted):
     batch = {k: v[:16] for k, v in fitted[1].items()}
-    losses, _ = train_losses(fitted, ["model.dropout=0.0", "optim.learning_rate=1e-2", "optim.warmup_steps=0"], 40, batch=batch)
+    losses, _ = train_losses(
+        fitted, ["model.dropout=0.0", "optim.learning_rate=1e-2", "optim.warmup_steps=0"], 40, batch=batch
+    )
     assert losses[0] > 0.5 and losses[-1] < 0.02
 
 
@@ -79,7 +81,13 @@ def test_bfloat16_compute_tracks_float32(fitted):
 
 
 def test_resume_equals_uninterrupted(tmp_path, monkeypatch):
-    options = ["train.steps=12", "train.eval_every=4", "train.checkpoint_every=4", "train.log_every=1", "model.dropout=0.1"]
+    options = [
+        "train.steps=12",
+        "train.eval_every=4",
+        "train.checkpoint_every=4",
+        "train.log_every=1",
+        "model.dropout=0.1",
+    ]
     run.train(SentimentTask, workdir=tmp_path / "straight", preset="tiny", overrides=options, data="synthetic")
 
     # Interrupt the second run during its evaluation at step 8 (Ctrl-C): step 4 is the last checkpoint.

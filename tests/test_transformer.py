@@ -24,7 +24,8 @@ def inputs(B=2, T=10, seed=0):
 
 
 @pytest.mark.parametrize(
-    "norm,mlp,positions,causal", list(itertools.product(["layernorm", "rmsnorm"], ["gelu", "swiglu"], ["learned", "rotary"], [False, True]))
+    "norm,mlp,positions,causal",
+    list(itertools.product(["layernorm", "rmsnorm"], ["gelu", "swiglu"], ["learned", "rotary"], [False, True])),
 )
 def test_output_shape_for_every_option(norm, mlp, positions, causal):
     model = body(norm=norm, mlp=mlp, positions=positions, causal=causal)

@@ -117,8 +117,9 @@ def _check_text_file(path: Path, kind: str) -> None:
         try:
             text = line.decode("utf-8")
         except UnicodeDecodeError as error:
-            raise UserError(f"--data {path}, line {number}: not valid UTF-8 (byte {error.start}); "
-                            "convert the file to UTF-8.") from None
+            raise UserError(
+                f"--data {path}, line {number}: not valid UTF-8 (byte {error.start}); convert the file to UTF-8."
+            ) from None
         if kind == "json" and path.suffix.lower() == ".jsonl" and text.strip():
             try:
                 json.loads(text)

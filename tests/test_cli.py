@@ -1,0 +1,137 @@
+"""The `apps` CLI through Typer's runner: help, overrides, every bad input, and a real round trip."""
+
+import json
+import re
+
+import pytest
+from typer.testing import CliRunner
+
+from cli import app
+
+FIXTURE = "tests/fixtures/reviews.csv"
+COLUMNS = ["--set", "data.text_column=review", "--set", "data.label_column=stars"]
+runner = CliRunner()
+
+
+def apps(*args, input=None):
+    return runner.invoke(app, [str(a) for a in args], input=input)
+
+
+def plain(text):
+    return re.sub(r"\s+", " ", text)
+
+
+def test_help_lists_commands():
+    result = apps("--help")
+    assert result.exit_code == 0
+    for command in ("tasks", "train", "eval", "predict", "bench"):
+        assert command in result.output
+
+
+def test_tasks_table():
+    result = apps("tasks")
+    assert result.exit_code == 0 and "sentiment" in result.output and "macro_f1" in result.output
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("cli") / "run"
+    result = apps(
+        "train",
+        "sentiment",
+        "--preset",
+        "tiny",
+        "--workdir",
+        workdir,
+        "--data",
+        FIXTURE,
+        *COLUMNS,
+        "--set",
+        "train.steps=12",
+    )
+    assert result.exit_code == 0, result.output
+    return workdir
+
+
+def test_overrides_reach_the_saved_config(trained):
+    config = json.loads((trained / "config.json").read_text())
+    assert config["train"]["steps"] == 12 and config["data"]["text_column"] == "review"
+
+
+def test_eval_writes_metrics_protocol_and_baseline(trained):
+    result = apps("eval", "sentiment", "--workdir", trained, "--split", "test", "--data", FIXTURE)
+    assert result.exit_code == 0, result.output
+    report = json.loads((trained / "eval_test.json").read_text())
+    assert 0 <= report["macro_f1"] <= 1 and report["split"] == "test" and report["dataset"] == FIXTURE
+    assert "stratified" in report["protocol"] and "macro_f1" in report["baselines"]["tfidf_logreg"]
+    assert "tfidf_logreg" in result.output
+
+
+def test_predict_from_arguments_and_stdin(trained):
+    result = apps("predict", "sentiment", "--workdir", trained, "lovely soft perfect dress")
+    assert result.exit_code == 0 and re.search(r"(positive|negative)", result.output), result.output
+    result = apps("predict", "sentiment", "--workdir", trained, input="cheap scratchy top\nlovely fit\n")
+    assert result.exit_code == 0 and result.output.count("0.") >= 2, result.output
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["train", "nosuch"], "Unknown task 'nosuch'"),
+        (["train", "sentiment", "--preset", "huge"], "Unknown preset 'huge'"),
+        (["train", "sentiment", "--set", "model.width=3"], "unknown key 'width'"),
+        (["train", "sentiment", "--data", "missing.csv"], "missing.csv: no such file"),
+        (["train", "sentiment", "--data", FIXTURE], "has no column 'text', 'label'"),
+        (
+            [
+                "train",
+                "sentiment",
+                "--data",
+                FIXTURE,
+                *COLUMNS,
+                "--set",
+                "data.labels=binary",
+                "--set",
+                "data.label_column=review",
+            ],
+            "expects 1-5 ratings",
+        ),
+        (["eval", "sentiment", "--split", "dev"], "expected valid or test"),
+    ],
+)
+def test_bad_input_is_a_clear_error(args, message, tmp_path):
+    result = apps(*args, "--workdir", tmp_path / "run")
+    assert result.exit_code == 1 and message in plain(result.output), result.output
+    assert "Traceback" not in result.output
+
+
+def test_eval_and_predict_without_a_run(tmp_path):
+    for command in (["eval", "sentiment"], ["predict", "sentiment", "text"]):
+        result = apps(*command, "--workdir", tmp_path)
+        assert result.exit_code == 1 and "holds no trained run" in plain(result.output)
+
+
+def test_empty_dataset_after_filtering(tmp_path):
+    path = tmp_path / "threes.csv"
+    path.write_text("text,label\nok fine,3\nso so,3\n")
+    result = apps("train", "sentiment", "--data", path, "--workdir", tmp_path / "run")
+    assert result.exit_code == 1 and "No examples are left" in plain(result.output)
+
+
+def test_non_utf8_line_is_named(tmp_path):
+    path = tmp_path / "latin1.csv"
+    path.write_bytes("text,label\ngood,5\nd\xe9cevant,1\n".encode("latin-1"))
+    result = apps("train", "sentiment", "--data", path, "--workdir", tmp_path / "run")
+    assert result.exit_code == 1 and "line 3: not valid UTF-8" in plain(result.output)
+
+
+def test_malformed_jsonl_line_is_named(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"text": "good", "label": 5}\n{"text": oops}\n')
+    result = apps("train", "sentiment", "--data", path, "--workdir", tmp_path / "run")
+    assert result.exit_code == 1 and "line 2: not valid JSON" in plain(result.output)
+
+
+def test_empty_predict_input(trained):
+    result = apps("predict", "sentiment", "--workdir", trained, input="\n  \n")
+    assert result.exit_code == 1 and "at least one non-empty text" in plain(result.output)
