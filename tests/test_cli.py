@@ -111,25 +111,20 @@ def test_eval_and_predict_without_a_run(tmp_path):
         assert result.exit_code == 1 and "holds no trained run" in plain(result.output)
 
 
-def test_empty_dataset_after_filtering(tmp_path):
-    path = tmp_path / "threes.csv"
-    path.write_text("text,label\nok fine,3\nso so,3\n")
+@pytest.mark.parametrize(
+    "name,content,message",
+    [
+        ("threes.csv", b"text,label\nok fine,3\nso so,3\n", "No examples are left"),
+        ("latin1.csv", "text,label\ngood,5\nd\xe9cevant,1\n".encode("latin-1"), "line 3: not valid UTF-8"),
+        ("bad.jsonl", b'{"text": "good", "label": 5}\n{"text": oops}\n', "line 2: not valid JSON"),
+    ],
+)
+def test_bad_data_file_is_named(tmp_path, name, content, message):
+    path = tmp_path / name
+    path.write_bytes(content)
     result = apps("train", "sentiment", "--data", path, "--workdir", tmp_path / "run")
-    assert result.exit_code == 1 and "No examples are left" in plain(result.output)
-
-
-def test_non_utf8_line_is_named(tmp_path):
-    path = tmp_path / "latin1.csv"
-    path.write_bytes("text,label\ngood,5\nd\xe9cevant,1\n".encode("latin-1"))
-    result = apps("train", "sentiment", "--data", path, "--workdir", tmp_path / "run")
-    assert result.exit_code == 1 and "line 3: not valid UTF-8" in plain(result.output)
-
-
-def test_malformed_jsonl_line_is_named(tmp_path):
-    path = tmp_path / "bad.jsonl"
-    path.write_text('{"text": "good", "label": 5}\n{"text": oops}\n')
-    result = apps("train", "sentiment", "--data", path, "--workdir", tmp_path / "run")
-    assert result.exit_code == 1 and "line 2: not valid JSON" in plain(result.output)
+    assert result.exit_code == 1 and message in plain(result.output), result.output
+    assert str(path) in plain(result.output)
 
 
 def test_empty_predict_input(trained):
