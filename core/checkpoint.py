@@ -20,7 +20,11 @@ from core.errors import UserError
 
 def _manager(directory: Path, keep: int, read_only: bool = False) -> ocp.CheckpointManager:
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=keep, create=not read_only, enable_async_checkpointing=False, read_only=read_only
+        max_to_keep=None if read_only else keep,
+        save_interval_steps=0 if read_only else 1,
+        create=not read_only,
+        enable_async_checkpointing=False,
+        read_only=read_only,
     )
     return ocp.CheckpointManager(directory.absolute(), options=options)
 
