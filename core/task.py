@@ -46,6 +46,7 @@ class Task(Protocol):
 
     name: ClassVar[str]
     summary: ClassVar[str]
+    model_summary: ClassVar[str]
     default_data: ClassVar[str]
     metric_names: ClassVar[tuple[str, ...]]
     # Preset name -> function returning the full Config; at least "tiny" and "base".
@@ -81,11 +82,18 @@ class Task(Protocol):
     def decode(self, outputs: Any, batch: Batch) -> dict[str, jax.Array]:
         """Predictions per example, on device; one leading batch axis per array."""
 
-    def score(self, predictions: dict[str, np.ndarray], examples: Sequence[Example]) -> dict[str, float]:
+    def score(
+        self, predictions: dict[str, np.ndarray], examples: Sequence[Example], featurizer: Featurizer
+    ) -> dict[str, float]:
         """Host-side metrics of decoded predictions against the examples' references."""
 
-    def baselines(self, train: Sequence[Example], test: Sequence[Example]) -> dict[str, dict[str, float]]:
+    def baselines(
+        self, train: Sequence[Example], test: Sequence[Example], featurizer: Featurizer
+    ) -> dict[str, dict[str, float]]:
         """Classical reference models fitted on `train` and scored like `score` on `test`."""
+
+    def protocol(self) -> dict[str, str]:
+        """{"dataset": ..., "protocol": ...}: what a reported number was measured on, and how."""
 
     def parse_inputs(self, lines: Sequence[str]) -> list[Example]:
         """Examples from the lines a user gives `apps predict`."""
