@@ -151,11 +151,10 @@ def evaluate_arrays(
 
 
 class Logger:
-    """metrics.jsonl in the workdir and a console line, written by process 0 only."""
+    """Appends records to metrics.jsonl in the workdir; only process 0 writes."""
 
-    def __init__(self, workdir: Path, console: Console):
+    def __init__(self, workdir: Path):
         self.path = workdir / "metrics.jsonl"
-        self.console = console
         self.active = jax.process_index() == 0
 
     def write(self, record: dict) -> None:
@@ -182,7 +181,7 @@ def fit(
     train = config.train
     data_lib.check_batch_size(train.batch_size, "train.batch_size", train.grad_accum)
     checkpoints = Checkpoints(workdir)
-    logger = Logger(workdir, console)
+    logger = Logger(workdir)
     best_path = workdir / "best.json"
     state = steps.state
     start = checkpoints.latest_step() or 0
@@ -191,11 +190,10 @@ def fit(
         console.print(f"Resuming from the checkpoint at step {start} in {workdir}.")
     best = json.loads(best_path.read_text())["value"] if best_path.exists() else -np.inf
     selector = task.metric_names[0]
-    tokens_per_row = lambda batch: int(batch["mask"].sum())  # noqa: E731
-    counts = []
+    counts = []  # (examples, tokens) of each global batch placed on the devices, in order
 
     def place(batch):
-        counts.append((len(batch["weights"]) * jax.process_count(), tokens_per_row(batch) * jax.process_count()))
+        counts.append((len(batch["weights"]) * jax.process_count(), int(batch["mask"].sum()) * jax.process_count()))
         return sharding.global_batch(steps.mesh, batch)
 
     batches = data_lib.prefetch(data_lib.train_batches(train_arrays, train.batch_size, train.seed, start), place)

@@ -1,12 +1,14 @@
 """Text-classification tables: the embedded reviews, the user's CSV/TSV/JSONL/parquet files
 through HF `datasets`, or a hub dataset name when the machine is online; and the fixed split.
 
-Every problem with a user's file is reported as a `UserError` that names the file, and the
+Loaded tables are cached per process, so the splits of one run read the file once; callers
+treat them as read-only. Every problem with a user's file is reported as a `UserError` that names the file, and the
 line where one can be named (bad UTF-8, a malformed JSON line).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 from pathlib import Path
@@ -39,6 +41,7 @@ def reviews_path() -> Path:
     return Path(spec.submodule_search_locations[0]) / REVIEWS_FILE
 
 
+@functools.cache
 def load_reviews() -> dict[str, list]:
     """Review text (title and body) and the 1-5 rating of every review that has a body."""
     import pandas as pd
@@ -76,6 +79,14 @@ def synthetic_reviews(count: int = 800, seed: int = 0) -> dict[str, list]:
 
 def load_table(spec: str, text_column: str, label_column: str) -> dict[str, list]:
     """Columns `text_column` and `label_column` of a local file or a hub dataset."""
+    path = Path(spec)
+    # The file's size and time are part of the cache key: an edited file is read again.
+    stamp = (path.stat().st_mtime_ns, path.stat().st_size) if path.is_file() else None
+    return _load_table(spec, text_column, label_column, stamp)
+
+
+@functools.cache
+def _load_table(spec: str, text_column: str, label_column: str, stamp: tuple | None) -> dict[str, list]:
     path = Path(spec)
     if path.suffix.lower() in FORMATS or path.exists():
         columns = _load_file(path, text_column, label_column)
