@@ -54,6 +54,46 @@ def rotary(x: jax.Array, positions: jax.Array, base: float = 10_000.0) -> jax.Ar
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
+@jax.custom_vjp
+def matmul(x: jax.Array, kernel: jax.Array) -> jax.Array:
+    """x [..., I] @ kernel [I, O], with a weight gradient that transposes the narrower operand.
+
+    The weight gradient x^T @ g contracts over tokens; XLA on CPU hands its matmul one operand
+    transposed in memory, and by default picks g, fusing that strided write into whatever
+    produced g (the GELU backward, for one). Written as (g^T @ x)^T when O > I, the copy falls on
+    x, the narrower of the two, and the producer of g writes in order.
+    """
+    return x @ kernel
+
+
+def _matmul_forward(x, kernel):
+    return x @ kernel, (x, kernel)
+
+
+def _matmul_backward(residuals, g):
+    x, kernel = residuals
+    inputs, outputs = kernel.shape
+    flat_x, flat_g = x.reshape(-1, inputs), g.reshape(-1, outputs)
+    if outputs > inputs:
+        grad_kernel = jnp.dot(flat_g.T, flat_x).T
+    else:
+        grad_kernel = jnp.dot(flat_x.T, flat_g)
+    return g @ kernel.T, grad_kernel.astype(kernel.dtype)
+
+
+matmul.defvjp(_matmul_forward, _matmul_backward)
+
+
+class Dense(nnx.Module):
+    """A bias-free linear layer whose backward pass is `matmul`'s."""
+
+    def __init__(self, inputs: int, outputs: int, *, rngs: nnx.Rngs):
+        self.kernel = nnx.Param(nnx.initializers.lecun_normal()(rngs.params(), (inputs, outputs)))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return matmul(x, self.kernel[...].astype(x.dtype))
+
+
 class Attention(nnx.Module):
     """Multi-head self-attention with a fused QKV projection."""
 
@@ -62,8 +102,8 @@ class Attention(nnx.Module):
             raise ValueError(f"d_model {config.d_model} is not divisible by num_heads {config.num_heads}")
         self.config = config
         d = config.d_model
-        self.qkv = nnx.Linear(d, 3 * d, use_bias=False, rngs=rngs)
-        self.out = nnx.Linear(d, d, use_bias=False, rngs=rngs)
+        self.qkv = Dense(d, 3 * d, rngs=rngs)
+        self.out = Dense(d, d, rngs=rngs)
 
     def __call__(self, x: jax.Array, mask: jax.Array, positions: jax.Array) -> jax.Array:
         c = self.config
@@ -83,8 +123,8 @@ class MLP(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.kind = config.mlp
         width = 2 * config.mlp_dim if self.kind == "swiglu" else config.mlp_dim
-        self.up = nnx.Linear(config.d_model, width, use_bias=False, rngs=rngs)
-        self.down = nnx.Linear(config.mlp_dim, config.d_model, use_bias=False, rngs=rngs)
+        self.up = Dense(config.d_model, width, rngs=rngs)
+        self.down = Dense(config.mlp_dim, config.d_model, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         h = self.up(x)
