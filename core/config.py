@@ -33,8 +33,9 @@ class ModelConfig:
     positions: Literal["learned", "rotary"] = "learned"
     max_len: int = 512
     causal: bool = False
-    # "xla" runs everywhere; "cudnn" selects the fused flash kernel on NVIDIA GPUs.
-    attention: Literal["xla", "cudnn"] = "xla"
+    # See core/attention.py: "auto" is the blockwise kernel on CPU and XLA's elsewhere;
+    # "cudnn" selects the fused flash kernel on NVIDIA GPUs (bf16 compute).
+    attention: Literal["auto", "xla", "cudnn", "blockwise"] = "auto"
 
 
 @dataclass(frozen=True, kw_only=True)

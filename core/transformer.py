@@ -1,8 +1,8 @@
 """The shared Transformer body (Flax NNX) and the `Model` that joins a task's edges to it.
 
 Pre-norm blocks: x + Attention(Norm(x)), then x + MLP(Norm(x)), and a final norm. Attention is
-`jax.nn.dot_product_attention` (the XLA path on CPU, cuDNN's flash kernel on GPU by config), fed
-from one fused QKV projection so that the hot matmul is a single large GEMM. Norms run in
+`core.attention` (`jax.nn.dot_product_attention`, or a blockwise kernel on CPU), fed from one
+fused QKV projection so that the hot matmul is a single large GEMM. Norms run in
 float32 whatever the compute dtype; dropout takes an explicit key so that train steps stay pure
 functions of (parameters, batch, key).
 """
@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from core.attention import attention
 from core.config import ModelConfig
 
 
@@ -111,9 +112,7 @@ class Attention(nnx.Module):
         q, k, v = jnp.split(self.qkv(x).reshape(B, T, 3 * c.num_heads, -1), 3, axis=2)  # [B, T, N, H]
         if c.positions == "rotary":
             q, k = rotary(q, positions), rotary(k, positions)
-        y = jax.nn.dot_product_attention(
-            q, k, v, mask=mask[:, None, None, :], is_causal=c.causal, implementation=c.attention
-        )
+        y = attention(q, k, v, mask, causal=c.causal, implementation=c.attention)
         return self.out(y.reshape(B, T, -1))
 
 
