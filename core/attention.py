@@ -47,14 +47,19 @@ def _blocks(length: int, causal: bool) -> list[tuple[int, int]]:
 
 def _probabilities(q, k, mask, start: int, causal: bool):
     """Softmax over keys [0, S) for queries [start, start + Tq): [B, N, Tq, S] in float32."""
-    scores = jnp.einsum("BTNH,BSNH->BNTS", q, k, preferred_element_type=jnp.float32) * q.shape[-1] ** -0.5
-    visible = mask[:, None, None, : k.shape[1]]
+    scores = jnp.einsum("BNTH,BNSH->BNTS", q, k, preferred_element_type=jnp.float32) * q.shape[-1] ** -0.5
+    visible = mask[:, None, None, : k.shape[2]]
     if causal:
-        rows = jnp.arange(q.shape[1])[:, None] + start
-        visible = visible & (rows >= jnp.arange(k.shape[1])[None, :])[None, None]
+        rows = jnp.arange(q.shape[2])[:, None] + start
+        visible = visible & (rows >= jnp.arange(k.shape[2])[None, :])[None, None]
     scores = jnp.where(visible, scores, MASKED)
     scores = jnp.exp(scores - scores.max(-1, keepdims=True))
     return scores / scores.sum(-1, keepdims=True)
+
+
+def _heads_first(*arrays):
+    """[B, T, N, H] -> [B, N, T, H], once per layer: blocks then slice whole rows of memory."""
+    return [x.transpose(0, 2, 1, 3) for x in arrays]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -63,33 +68,38 @@ def blockwise_attention(q, k, v, mask, causal: bool):
 
 
 def _forward(q, k, v, mask, causal):
+    qt, kt, vt = _heads_first(q, k, v)
     outputs, probabilities = [], []
     for start, stop in _blocks(q.shape[1], causal):
         keys = stop if causal else k.shape[1]
-        p = _probabilities(q[:, start:stop], k[:, :keys], mask, start, causal)
+        p = _probabilities(qt[:, :, start:stop], kt[:, :, :keys], mask, start, causal)
         probabilities.append(p)
-        outputs.append(jnp.einsum("BNTS,BSNH->BTNH", p.astype(v.dtype), v[:, :keys]))
-    return jnp.concatenate(outputs, axis=1), (q, k, v, mask, probabilities)
+        outputs.append(jnp.einsum("BNTS,BNSH->BNTH", p.astype(v.dtype), vt[:, :, :keys]))
+    output = jnp.concatenate(outputs, axis=2).transpose(0, 2, 1, 3)
+    return output, (qt, kt, vt, mask, probabilities)
 
 
 def _backward(causal, residuals, grad_out):
-    q, k, v, mask, probabilities = residuals
-    scale = q.shape[-1] ** -0.5
-    grad_q, grad_k, grad_v = [], jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
-    for (start, stop), p in zip(_blocks(q.shape[1], causal), probabilities):
-        keys = stop if causal else k.shape[1]
-        g = grad_out[:, start:stop]
-        grad_v = grad_v.at[:, :keys].add(
-            jnp.einsum("BNTS,BTNH->BSNH", p.astype(g.dtype), g, preferred_element_type=jnp.float32)
+    qt, kt, vt, mask, probabilities = residuals
+    (gt,) = _heads_first(grad_out)
+    scale = qt.shape[-1] ** -0.5
+    grad_q, grad_k, grad_v = [], jnp.zeros(kt.shape, jnp.float32), jnp.zeros(vt.shape, jnp.float32)
+    for (start, stop), p in zip(_blocks(qt.shape[2], causal), probabilities):
+        keys = stop if causal else kt.shape[2]
+        g = gt[:, :, start:stop]
+        grad_v = grad_v.at[:, :, :keys].add(
+            jnp.einsum("BNTS,BNTH->BNSH", p.astype(g.dtype), g, preferred_element_type=jnp.float32)
         )
-        grad_p = jnp.einsum("BTNH,BSNH->BNTS", g, v[:, :keys], preferred_element_type=jnp.float32)
+        grad_p = jnp.einsum("BNTH,BNSH->BNTS", g, vt[:, :, :keys], preferred_element_type=jnp.float32)
         # Softmax backward: dS = P * (dP - rowsum(dP * P)), folded with the 1/sqrt(H) scale.
-        grad_s = (p * (grad_p - (grad_p * p).sum(-1, keepdims=True)) * scale).astype(q.dtype)
-        grad_q.append(jnp.einsum("BNTS,BSNH->BTNH", grad_s, k[:, :keys]))
-        grad_k = grad_k.at[:, :keys].add(
-            jnp.einsum("BNTS,BTNH->BSNH", grad_s, q[:, start:stop], preferred_element_type=jnp.float32)
+        grad_s = (p * (grad_p - (grad_p * p).sum(-1, keepdims=True)) * scale).astype(qt.dtype)
+        grad_q.append(jnp.einsum("BNTS,BNSH->BNTH", grad_s, kt[:, :, :keys]))
+        grad_k = grad_k.at[:, :, :keys].add(
+            jnp.einsum("BNTS,BNTH->BNSH", grad_s, qt[:, :, start:stop], preferred_element_type=jnp.float32)
         )
-    return jnp.concatenate(grad_q, axis=1), grad_k.astype(k.dtype), grad_v.astype(v.dtype), None
+    grad_q = jnp.concatenate(grad_q, axis=2)
+    grad_q, grad_k, grad_v = _heads_first(grad_q, grad_k.astype(kt.dtype), grad_v.astype(vt.dtype))
+    return grad_q, grad_k, grad_v, None
 
 
 blockwise_attention.defvjp(_forward, _backward)
