@@ -50,3 +50,24 @@ def test_accuracy_and_streaming_by_hand():
     second = {"accuracy": metrics.accuracy(logits[:1], jnp.asarray([0]), jnp.ones(1))}
     # hits: 1 of 2 weighted rows, then 1 of 1: 2 / 3 overall.
     assert metrics.finish(metrics.add(metrics.add(None, first), second)) == {"accuracy": pytest.approx(2 / 3)}
+
+
+def test_target_rank_with_exclusion_by_hand():
+    scores = jnp.asarray([[0.9, 0.1, 0.5, 0.7], [0.2, 0.8, 0.8, 0.1]])
+    # Row 0: target item 2 (0.5) is beaten by items 0 and 3; excluding item 0 leaves rank 1.
+    # Row 1: target item 2 ties item 1 (0.8): a tie does not push it down, rank 0.
+    exclude = jnp.asarray([[True, False, False, False], [False, False, False, False]])
+    np.testing.assert_array_equal(metrics.target_rank(scores, jnp.asarray([2, 2])), [2, 0])
+    np.testing.assert_array_equal(metrics.target_rank(scores, jnp.asarray([2, 2]), exclude), [1, 0])
+
+
+def test_ranking_metrics_by_hand():
+    ranks, weights = jnp.asarray([0, 3, 12, 7]), jnp.asarray([1.0, 1.0, 1.0, 0.0])
+    result = metrics.finish(metrics.ranking(ranks, weights, ks=(1, 5, 10, 20)))
+    assert result["hr@1"] == pytest.approx(1 / 3)
+    assert result["hr@5"] == pytest.approx(2 / 3) and result["hr@10"] == pytest.approx(2 / 3)
+    assert result["hr@20"] == pytest.approx(1.0)
+    assert result["ndcg@5"] == pytest.approx((1 + 1 / math.log2(5)) / 3)
+    assert result["ndcg@20"] == pytest.approx((1 + 1 / math.log2(5) + 1 / math.log2(14)) / 3)
+    assert result["mrr@5"] == pytest.approx((1 + 1 / 4) / 3)
+    assert result["mrr@20"] == pytest.approx((1 + 1 / 4 + 1 / 13) / 3)
