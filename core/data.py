@@ -44,8 +44,18 @@ def check_batch_size(batch_size: int, what: str, multiple: int = 1) -> None:
         )
 
 
-def train_batches(arrays: Arrays, batch_size: int, seed: int, start_step: int = 0) -> Iterator[Arrays]:
-    """Global training batches from `start_step` on, forever, as this process's rows."""
+def train_batches(
+    arrays: Arrays,
+    batch_size: int,
+    seed: int,
+    start_step: int = 0,
+    augment: Callable[[Arrays, np.random.Generator], Arrays] | None = None,
+) -> Iterator[Arrays]:
+    """Global training batches from `start_step` on, forever, as this process's rows.
+
+    `augment` (a task's random masking or negative sampling) sees each whole global batch with
+    a generator seeded by (seed, step), so it too is reproduced exactly on resume.
+    """
     total = size(arrays)
     per_epoch = total // batch_size
     if per_epoch == 0:
@@ -55,7 +65,10 @@ def train_batches(arrays: Arrays, batch_size: int, seed: int, start_step: int = 
         epoch, index = divmod(step, per_epoch)
         order = np.random.default_rng(seed + epoch).permutation(total)
         rows = np.sort(order[index * batch_size : (index + 1) * batch_size])
-        yield process_rows(take(arrays, rows))
+        batch = take(arrays, rows)
+        if augment is not None:
+            batch = augment(batch, np.random.default_rng((seed, step)))
+        yield process_rows(batch)
         step += 1
 
 

@@ -93,7 +93,7 @@ def train(
 
     def validate(params) -> dict[str, float]:
         streamed, predictions = evaluate_arrays(steps, params, valid_arrays, config.train.eval_batch_size)
-        return {**task.score(predictions, valid_examples, featurizer), "loss": streamed["loss"]}
+        return {**streamed, **task.score(predictions, valid_examples, featurizer)}
 
     return fit(task, config, steps, train_arrays, validate, workdir, console)
 
@@ -131,7 +131,7 @@ def evaluate(
     streamed, predictions = evaluate_arrays(
         loaded.steps, loaded.params, featurizer(examples), task.config.train.eval_batch_size
     )
-    result: dict[str, Any] = {**task.score(predictions, examples, featurizer), "loss": streamed["loss"]}
+    result: dict[str, Any] = {**streamed, **task.score(predictions, examples, featurizer)}
     result.update(task.protocol(), split=split, examples=len(examples))
     if baselines:
         result["baselines"] = task.baselines(_examples(task, "train"), examples, featurizer)

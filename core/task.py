@@ -95,6 +95,9 @@ class Task(Protocol):
     def protocol(self) -> dict[str, str]:
         """{"dataset": ..., "protocol": ...}: what a reported number was measured on, and how."""
 
+    # Optional: `augment(batch, rng) -> batch`, applied to each global training batch with a
+    # generator seeded by (seed, step): random masking, negative sampling.
+
     def parse_inputs(self, lines: Sequence[str]) -> list[Example]:
         """Examples from the lines a user gives `apps predict`."""
 

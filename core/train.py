@@ -196,7 +196,9 @@ def fit(
         counts.append((len(batch["weights"]) * jax.process_count(), int(batch["mask"].sum()) * jax.process_count()))
         return sharding.global_batch(steps.mesh, batch)
 
-    batches = data_lib.prefetch(data_lib.train_batches(train_arrays, train.batch_size, train.seed, start), place)
+    augment = getattr(task, "augment", None)
+    batches = data_lib.train_batches(train_arrays, train.batch_size, train.seed, start, augment)
+    batches = data_lib.prefetch(batches, place)
     valid_metrics: dict[str, float] = {}
     saved = start
     progress = Progress(

@@ -8,6 +8,7 @@ from core.errors import UserError
 
 REGISTRY = {
     "sentiment": "tasks.nlp.sentiment:SentimentTask",
+    "recsys": "tasks.recsys.sequential:RecsysTask",
 }
 
 

@@ -1,1 +1,1 @@
-"""Sequential recommendation (SASRec, BERT4Rec): not yet implemented, see the issues."""
+"""Sequential recommendation: interaction logs, leave-one-out, SASRec and BERT4Rec."""

@@ -1,0 +1,432 @@
+"""Sequential recommendation on the shared body: SASRec (causal, next item at every position)
+and BERT4Rec (bidirectional, cloze masking), ranked over all items.
+
+Default data: MovieLens-100K from the recbole 1.2.1 wheel. Split: leave-one-out (last item test,
+second-to-last valid, the rest train). Evaluation: full ranking over every item with the user's
+already-seen items excluded (`--set data.exclude_seen=False` keeps them); sampled ranking against
+100 negatives only with `--set data.ranking=sampled`. HR, NDCG and MRR at 1, 5, 10, 20, with a
+most-popular baseline under the same protocol.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from core import losses
+from core import metrics as metric_lib
+from core.config import Config, ModelConfig, OptimConfig, TrainConfig
+from core.errors import UserError
+from core.heads import Projection, TiedOutput, TokenEmbedder
+from tasks.recsys import data as rec_data
+
+PAD, MASK = 0, 1  # item i of the vocabulary has index i + 2
+KS = (1, 5, 10, 20)
+log = logging.getLogger("apps")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecsysData:
+    """Data, model variant, loss and evaluation protocol of a recommendation run."""
+
+    model_type: Literal["sasrec", "bert4rec"] = "sasrec"
+    loss: Literal["softmax", "bce"] = "softmax"
+    negatives: int = 1
+    mask_ratio: float = 0.2
+    tie_embeddings: bool = True
+    ranking: Literal["full", "sampled"] = "full"
+    candidates: int = 100
+    sampling: Literal["uniform", "popularity"] = "uniform"
+    exclude_seen: bool = True
+    min_rating: float | None = None
+    k_core: int = 0
+    top_k: int = 20
+    user_column: str = "user_id"
+    item_column: str = "item_id"
+    time_column: str = "timestamp"
+    rating_column: str = "rating"
+
+
+def sasrec() -> Config:
+    return Config(
+        task="recsys",
+        preset="sasrec",
+        model=ModelConfig(d_model=64, num_layers=2, num_heads=2, mlp_dim=256, max_len=200, dropout=0.2, causal=True),
+        optim=OptimConfig(learning_rate=1e-3, warmup_steps=50, weight_decay=0.0, b2=0.98),
+        train=TrainConfig(batch_size=64, eval_batch_size=256, steps=1500, eval_every=250, checkpoint_every=250),
+        data=RecsysData(),
+    )
+
+
+def bert4rec() -> Config:
+    config = sasrec()
+    return dataclasses.replace(
+        config,
+        preset="bert4rec",
+        model=dataclasses.replace(config.model, causal=False, dropout=0.1),
+        data=RecsysData(model_type="bert4rec"),
+    )
+
+
+def tiny() -> Config:
+    return Config(
+        task="recsys",
+        preset="tiny",
+        model=ModelConfig(d_model=32, num_layers=1, num_heads=2, mlp_dim=64, max_len=24, dropout=0.0, causal=True),
+        optim=OptimConfig(learning_rate=3e-3, warmup_steps=5, weight_decay=0.0),
+        train=TrainConfig(batch_size=16, eval_batch_size=64, steps=20, eval_every=10, checkpoint_every=10, log_every=5),
+        data=RecsysData(top_k=5),
+    )
+
+
+@dataclass
+class ItemFeaturizer:
+    """Item ids <-> indices (0 padding, 1 the cloze mask, 2..V+1 items), titles, popularity,
+    every user's full sequence (for `--user` predictions), and the arrays of a split."""
+
+    items: tuple[str, ...]
+    titles: dict[str, str]
+    popularity: np.ndarray  # [V + 2] training-split counts
+    sequences: dict[str, list[str]]
+    max_len: int
+    options: RecsysData
+
+    def __post_init__(self):
+        self.index = {item: i + 2 for i, item in enumerate(self.items)}
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.items) + 2
+
+    def item(self, index: int) -> str:
+        return self.items[index - 2]
+
+    def history(self, example: dict) -> list[str]:
+        """The example's history, or for a `--user` prediction that user's whole sequence."""
+        if example["history"] is not None:
+            return example["history"]
+        if example["user"] not in self.sequences:
+            raise UserError(f"Unknown user {example['user']!r}: not in the training log; give --history instead.")
+        return self.sequences[example["user"]]
+
+    def save(self, directory: Path) -> None:
+        state = {
+            "items": list(self.items),
+            "titles": self.titles,
+            "popularity": self.popularity.tolist(),
+            "sequences": self.sequences,
+        }
+        (directory / "items.json").write_text(json.dumps(state))
+
+    @classmethod
+    def load(cls, directory: Path, max_len: int, options: RecsysData) -> ItemFeaturizer:
+        path = directory / "items.json"
+        if not path.exists():
+            raise UserError(f"{path} is missing: the workdir has no item map.")
+        state = json.loads(path.read_text())
+        return cls(
+            tuple(state["items"]),
+            state["titles"],
+            np.asarray(state["popularity"]),
+            state["sequences"],
+            max_len,
+            options,
+        )
+
+    def ids(self, items: Sequence[str]) -> list[int]:
+        return [self.index[i] for i in items if i in self.index]
+
+    def __call__(self, examples: Sequence[dict]) -> dict[str, np.ndarray]:
+        if examples and examples[0].get("mode") == "train":
+            return self._training(examples)
+        return self._ranking(examples)
+
+    def _training(self, examples: Sequence[dict]) -> dict[str, np.ndarray]:
+        """Every user's history in windows from its end: SASRec reads max_len inputs and predicts
+        the next item at each; BERT4Rec reads max_len items, masked later by `augment`."""
+        shift = 1 if self.options.model_type == "sasrec" else 0
+        span = self.max_len + shift
+        windows = []
+        for example in examples:
+            ids = self.ids(example["history"])
+            for end in range(len(ids), shift, -self.max_len):
+                window = ids[max(0, end - span) : end]
+                if len(window) > shift:
+                    windows.append(window)
+        if not windows:
+            raise UserError("No training sequence is long enough to learn from.")
+        inputs = np.zeros((len(windows), self.max_len), np.int32)
+        targets = np.zeros_like(inputs)
+        for row, window in enumerate(windows):
+            source, target = (window[:-1], window[1:]) if shift else (window, window)
+            inputs[row, : len(source)], targets[row, : len(target)] = source, target
+        mask = inputs != PAD
+        return {
+            "inputs": inputs,
+            "mask": mask,
+            "targets": targets,
+            "target_mask": mask.copy(),
+            "weights": np.ones(len(windows), np.float32),
+            # Lets `augment` draw negatives over the vocabulary without the featurizer.
+            "num_items": np.full(len(windows), len(self.items), np.int32),
+        }
+
+    def _ranking(self, examples: Sequence[dict]) -> dict[str, np.ndarray]:
+        """One row per user: the last max_len history items (BERT4Rec: then the mask token),
+        the position to read, the target, every seen item, and sampled candidates if asked."""
+        histories = [self.ids(self.history(e)) for e in examples]
+        keep = self.max_len - (self.options.model_type == "bert4rec")
+        inputs = np.zeros((len(examples), self.max_len), np.int32)
+        last = np.zeros(len(examples), np.int32)
+        for row, ids in enumerate(histories):
+            window = ids[-keep:] + ([MASK] if self.options.model_type == "bert4rec" else [])
+            if not window:
+                raise UserError(f"User {examples[row]['user']!r} has no known item in their history.")
+            inputs[row, : len(window)] = window
+            last[row] = len(window) - 1
+        seen = np.zeros((len(examples), max(map(len, histories)) or 1), np.int32)
+        for row, ids in enumerate(histories):
+            seen[row, : len(ids)] = ids
+        targets = np.array([self.index.get(e["target"], PAD) if e.get("target") else PAD for e in examples], np.int32)
+        arrays = {
+            "inputs": inputs,
+            "mask": inputs != PAD,
+            "last": last,
+            "seen": seen,
+            "targets": targets,
+            "weights": np.ones(len(examples), np.float32),
+        }
+        if self.options.ranking == "sampled":
+            arrays["candidates"] = self._candidates(targets, histories)
+        return arrays
+
+    def _candidates(self, targets: np.ndarray, histories: list[list[int]]) -> np.ndarray:
+        """Target first, then `candidates` negatives the user has not seen (seed 0)."""
+        rng = np.random.default_rng(0)
+        weights = self.popularity[2:] + 1.0 if self.options.sampling == "popularity" else np.ones(len(self.items))
+        weights = weights / weights.sum()
+        rows = np.zeros((len(targets), 1 + self.options.candidates), np.int32)
+        for row, (target, ids) in enumerate(zip(targets, histories)):
+            excluded, chosen = set(ids) | {int(target)}, []
+            while len(chosen) < self.options.candidates:
+                for item in rng.choice(len(self.items), 2 * self.options.candidates, p=weights) + 2:
+                    if item not in excluded and len(chosen) < self.options.candidates:
+                        excluded.add(int(item))
+                        chosen.append(int(item))
+            rows[row] = [target, *chosen]
+        return rows
+
+
+class UntiedOutput(nnx.Module):
+    """An output matrix of its own, [V, D]."""
+
+    def __init__(self, vocab_size: int, d_model: int, *, rngs: nnx.Rngs):
+        self.weight = nnx.Param(nnx.initializers.normal(d_model**-0.5)(rngs.params(), (vocab_size, d_model)))
+
+    def __call__(self, hidden: jax.Array, mask: jax.Array) -> Projection:
+        return Projection(hidden, self.weight[...])
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecsysTask:
+    name: ClassVar[str] = "recsys"
+    summary: ClassVar[str] = "Next-item recommendation (SASRec, BERT4Rec)"
+    default_data: ClassVar[str] = "MovieLens-100K (recbole 1.2.1)"
+    model_summary: ClassVar[str] = "causal or cloze encoder, tied items"
+    metric_names: ClassVar[tuple[str, ...]] = ("ndcg@10", "hr@10", "mrr@10")
+    presets: ClassVar[dict] = {"sasrec": sasrec, "bert4rec": bert4rec, "tiny": tiny}
+    default_preset: ClassVar[str] = "sasrec"
+    data_type: ClassVar[type] = RecsysData
+    predict_options: ClassVar[tuple[str, ...]] = ("user", "history")
+
+    config: Config
+    data: str | None = None
+
+    def _log(self) -> rec_data.Log:
+        o = self.config.data
+        if self.data == "synthetic":
+            return rec_data.synthetic_log()
+        return rec_data.load_log(self.data, o.user_column, o.item_column, o.time_column, o.rating_column)
+
+    def examples(self, split: str) -> list[dict]:
+        o = self.config.data
+        sequences = rec_data.build_sequences(self._log(), o.min_rating, o.k_core)
+        examples = rec_data.leave_one_out(sequences.by_user, split)
+        if split == "train":
+            log.info(
+                "recsys: %d users; dropped %s",
+                len(examples),
+                ", ".join(f"{count} {what.replace('_', ' ')}" for what, count in sequences.dropped.items()),
+            )
+            for example in examples:
+                # The whole sequence serves the item map and `--user` predictions, never the loss.
+                example["mode"], example["sequence"] = "train", sequences.by_user[example["user"]]
+        return examples
+
+    def protocol(self) -> dict[str, str]:
+        o = self.config.data
+        ranking = (
+            "full ranking over all items"
+            if o.ranking == "full"
+            else f"sampled ranking: target vs {o.candidates} {o.sampling} negatives"
+        )
+        seen = "seen items excluded" if o.exclude_seen else "seen items kept"
+        return {
+            "dataset": self.data or self.default_data,
+            "protocol": f"leave-one-out (last item test, second-to-last valid); {ranking}; {seen}",
+        }
+
+    def fit_featurizer(self, train: Sequence[dict]) -> ItemFeaturizer:
+        items = sorted({i for e in train for i in e["sequence"]}, key=_natural)
+        featurizer = ItemFeaturizer(
+            tuple(items),
+            self._log().titles,
+            np.zeros(len(items) + 2),
+            {e["user"]: e["sequence"] for e in train},
+            self.config.model.max_len,
+            self.config.data,
+        )
+        counts = Counter(i for e in train for i in featurizer.ids(e["history"]))
+        for index, count in counts.items():
+            featurizer.popularity[index] = count
+        return featurizer
+
+    def load_featurizer(self, directory: Path) -> ItemFeaturizer:
+        return ItemFeaturizer.load(directory, self.config.model.max_len, self.config.data)
+
+    def embedder(self, featurizer: ItemFeaturizer, rngs: nnx.Rngs) -> nnx.Module:
+        return TokenEmbedder(featurizer.vocab_size, self.config.model.d_model, rngs=rngs)
+
+    def head(self, featurizer: ItemFeaturizer, embedder: nnx.Module, rngs: nnx.Rngs) -> nnx.Module:
+        if self.config.data.tie_embeddings:
+            return TiedOutput(embedder)
+        return UntiedOutput(featurizer.vocab_size, self.config.model.d_model, rngs=rngs)
+
+    def augment(self, batch: dict, rng: np.random.Generator) -> dict:
+        """BERT4Rec's cloze masking (never on padding; at least one item per row) or SASRec's
+        sampled negatives for the BCE loss."""
+        o = self.config.data
+        if o.model_type == "bert4rec":
+            real = batch["mask"]
+            chosen = (rng.random(real.shape) < o.mask_ratio) & real
+            rows = np.flatnonzero(~chosen.any(1))
+            chosen[rows, (rng.random(len(rows)) * real[rows].sum(1)).astype(int)] = True
+            return {**batch, "inputs": np.where(chosen, MASK, batch["inputs"]), "target_mask": chosen}
+        if o.loss == "bce":
+            # Uniform over all item indices; hitting the target itself is rare and harmless.
+            negatives = rng.integers(MASK + 1, self._vocab_size(batch), (*batch["targets"].shape, o.negatives))
+            return {**batch, "negatives": negatives.astype(np.int32)}
+        return batch
+
+    @staticmethod
+    def _vocab_size(batch: dict) -> int:
+        return int(batch["num_items"][0]) + 2
+
+    def loss(self, projection: Projection, batch: dict):
+        if batch["targets"].ndim == 2:
+            weights = batch["target_mask"]
+            if self.config.data.loss == "bce" and self.config.data.model_type == "sasrec":
+                return _sampled_bce(projection, batch["targets"], batch["negatives"], weights)
+            return losses.linear_cross_entropy(projection.hidden, projection.weight, batch["targets"], weights)
+        scores = self._scores(projection, batch, exclude_seen=False)
+        return losses.cross_entropy(scores, batch["targets"], batch["weights"])
+
+    def _scores(self, projection: Projection, batch: dict, exclude_seen: bool) -> jax.Array:
+        """Scores of every item at each row's read position, [B, V + 2]; padding, the mask token
+        and (if asked) seen items at -inf."""
+        hidden = jnp.take_along_axis(projection.hidden, batch["last"][:, None, None], axis=1)[:, 0]
+        scores = jnp.einsum("BD,VD->BV", hidden, projection.weight.astype(hidden.dtype)).astype(jnp.float32)
+        excluded = jnp.zeros(scores.shape, bool).at[:, jnp.asarray([PAD, MASK])].set(True)
+        if exclude_seen:
+            rows = jnp.arange(scores.shape[0])[:, None]
+            excluded = excluded.at[rows, batch["seen"]].set(True)
+        return jnp.where(excluded, -jnp.inf, scores)
+
+    def metrics(self, projection: Projection, batch: dict):
+        scores = self._scores(projection, batch, exclude_seen=self.config.data.exclude_seen)
+        return metric_lib.ranking(_ranks(scores, batch), batch["weights"], KS)
+
+    def decode(self, projection: Projection, batch: dict) -> dict[str, jax.Array]:
+        scores, items = jax.lax.top_k(self._scores(projection, batch, exclude_seen=True), self.config.data.top_k)
+        return {"items": items, "scores": scores}
+
+    def score(self, predictions, examples, featurizer) -> dict[str, float]:
+        return {}
+
+    def baselines(self, train, test, featurizer: ItemFeaturizer) -> dict[str, dict[str, float]]:
+        """Most-popular: items ranked by training-split count, under the same protocol."""
+        batch = featurizer(test)
+        scores = jnp.broadcast_to(jnp.asarray(featurizer.popularity, jnp.float32), (len(test), featurizer.vocab_size))
+        rows = jnp.arange(len(test))[:, None]
+        excluded = jnp.zeros(scores.shape, bool).at[:, jnp.asarray([PAD, MASK])].set(True)
+        if self.config.data.exclude_seen:
+            excluded = excluded.at[rows, jnp.asarray(batch["seen"])].set(True)
+        scores = jnp.where(excluded, -jnp.inf, scores)
+        jbatch = {k: jnp.asarray(v) for k, v in batch.items()}
+        return {"most_popular": metric_lib.finish(metric_lib.ranking(_ranks(scores, jbatch), jbatch["weights"], KS))}
+
+    def parse_inputs(self, lines: Sequence[str]) -> list[dict]:
+        examples = []
+        for line in lines:
+            kind, _, value = line.partition("=")
+            if kind == "history":
+                history = [i.strip() for i in value.split(",") if i.strip()]
+                if not history:
+                    raise UserError("--history is empty: give item ids separated by commas, e.g. --history 50,172,133.")
+                examples.append({"user": "(history)", "history": history, "target": None})
+            elif kind == "user":
+                examples.append({"user": value, "history": None, "target": None})
+            else:
+                raise UserError("apps predict recsys takes --user USER or --history ITEM,ITEM,...")
+        return examples
+
+    def render(self, predictions, examples, featurizer: ItemFeaturizer) -> list[dict[str, str]]:
+        rows = []
+        for example, items, scores in zip(examples, predictions["items"], predictions["scores"]):
+            unknown = [i for i in featurizer.history(example) if i not in featurizer.index]
+            if unknown:
+                log.warning("Skipped item ids unknown to the model: %s", ", ".join(unknown))
+            for rank, (index, score) in enumerate(zip(items, scores), start=1):
+                item = featurizer.item(int(index))
+                rows.append(
+                    {
+                        "user": example["user"],
+                        "rank": str(rank),
+                        "item": item,
+                        "title": featurizer.titles.get(item, ""),
+                        "score": f"{float(score):.3f}",
+                    }
+                )
+        return rows
+
+
+def _ranks(scores: jax.Array, batch: dict) -> jax.Array:
+    if "candidates" in batch:
+        candidate_scores = jnp.take_along_axis(scores, batch["candidates"], axis=1)
+        return (candidate_scores[:, 1:] > candidate_scores[:, :1]).sum(-1)
+    return metric_lib.target_rank(scores, batch["targets"])
+
+
+def _sampled_bce(projection: Projection, targets, negatives, weights):
+    """-log sigmoid(positive) - sum log sigmoid(-negative) at each real position."""
+    hidden, table = projection.hidden, projection.weight.astype(projection.hidden.dtype)
+    positive = jnp.einsum("BTD,BTD->BT", hidden, table[targets]).astype(jnp.float32)
+    negative = jnp.einsum("BTD,BTKD->BTK", hidden, table[negatives]).astype(jnp.float32)
+    per_position = -jax.nn.log_sigmoid(positive) - jax.nn.log_sigmoid(-negative).sum(-1)
+    weights = weights.astype(jnp.float32)
+    return (per_position * weights).sum(), weights.sum()
+
+
+def _natural(item: str):
+    return (0, int(item), "") if item.isdigit() else (1, 0, item)
