@@ -1,0 +1,120 @@
+"""Recommendation: ordering, split, filters, exclusion, masking, metrics protocol, CLI round trip."""
+
+import json
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from cli import app
+from core.config import apply_overrides
+from core.errors import UserError
+from tasks.recsys import data
+from tasks.recsys.sequential import MASK, PAD, RecsysTask, tiny
+
+FIXTURE = "tests/fixtures/interactions.csv"
+COLUMNS = ["--set", "data.user_column=user", "--set", "data.item_column=item", "--set", "data.time_column=time"]
+
+
+def log_of(rows, source="hand"):
+    users, items, times = (np.asarray(c) for c in zip(*rows))
+    return data.Log(users, items, times.astype(float), np.full(len(rows), np.nan), source)
+
+
+def test_stable_tie_break_and_duplicates():
+    # u1 has three items at time 5 (kept in log order), one duplicate row, one earlier item.
+    log = log_of([("u1", "b", 5), ("u1", "a", 5), ("u1", "b", 5), ("u1", "z", 1), ("u1", "c", 5), ("u2", "x", 1)])
+    sequences = data.build_sequences(log)
+    assert sequences.by_user == {"u1": ["z", "b", "a", "c"]}
+    assert sequences.dropped == {"duplicate_rows": 1, "users_under_3_interactions": 1}
+
+
+def test_leave_one_out_by_hand():
+    sequences = {"u": ["a", "b", "c", "d", "e"]}
+    assert data.leave_one_out(sequences, "train") == [{"user": "u", "history": ["a", "b", "c"], "target": None}]
+    assert data.leave_one_out(sequences, "valid") == [{"user": "u", "history": ["a", "b", "c"], "target": "d"}]
+    assert data.leave_one_out(sequences, "test") == [{"user": "u", "history": ["a", "b", "c", "d"], "target": "e"}]
+
+
+def test_k_core_and_min_rating():
+    rows = [("u1", "a", 1), ("u1", "b", 2), ("u1", "c", 3), ("u2", "a", 1), ("u2", "b", 2), ("u2", "d", 3)]
+    log = log_of(rows)
+    with pytest.raises(UserError, match="no user has 3"):
+        data.build_sequences(log, k_core=2)  # c and d appear once: both users fall to 2 items
+    log.ratings = np.array([5, 5, 5, 1, 5, 5], float)
+    assert data.build_sequences(log, min_rating=4).by_user == {"u1": ["a", "b", "c"]}
+
+
+def test_non_numeric_timestamps_are_named(tmp_path):
+    path = tmp_path / "log.csv"
+    path.write_text("user_id,item_id,timestamp\n1,2,100\n1,3,yesterday\n")
+    with pytest.raises(UserError, match="first at data row 2 .'yesterday'"):
+        data.load_log(str(path))
+
+
+def test_missing_columns_are_listed(tmp_path):
+    path = tmp_path / "log.csv"
+    path.write_text("who,what,when\n1,2,3\n")
+    with pytest.raises(UserError, match="no column 'user_id', 'item_id', 'timestamp'; its columns are who, what, when"):
+        data.load_log(str(path))
+
+
+def test_movielens_100k_is_embedded():
+    sequences = data.build_sequences(data.load_log(None))
+    assert len(sequences.by_user) == 943 and sum(map(len, sequences.by_user.values())) == 100_000
+
+
+@pytest.fixture(scope="module")
+def featurized():
+    task = RecsysTask(config=tiny(), data="synthetic")
+    train = task.examples("train")
+    featurizer = task.fit_featurizer(train)
+    return task, featurizer, featurizer(train), featurizer(task.examples("test"))
+
+
+def test_sasrec_windows_predict_the_next_item(featurized):
+    _, featurizer, train, _ = featurized
+    inputs, targets, mask = train["inputs"], train["targets"], train["mask"]
+    # Within a window, each target is the next input: the shift by one of SASRec.
+    np.testing.assert_array_equal(targets[:, :-1][mask[:, 1:]], inputs[:, 1:][mask[:, 1:]])
+    assert (inputs[~mask] == PAD).all() and (inputs[mask] >= 2).all()
+
+
+def test_ranking_rows_exclude_seen_items(featurized):
+    task, featurizer, _, test = featurized
+    example = task.examples("test")[0]
+    seen = set(test["seen"][0][test["seen"][0] != PAD])
+    assert seen == {featurizer.index[i] for i in example["history"]}
+    assert test["targets"][0] == featurizer.index[example["target"]]
+
+
+def test_bert4rec_masking_never_touches_padding(featurized):
+    _, featurizer, _, _ = featurized
+    task = RecsysTask(config=apply_overrides(tiny(), ["data.model_type=bert4rec", "data.mask_ratio=0.5"]), data="synthetic")
+    batch = featurizer.__class__(featurizer.items, {}, featurizer.popularity, featurizer.sequences,
+                                 featurizer.max_len, task.config.data)(task.examples("train"))
+    masked = task.augment(batch, np.random.default_rng(0))
+    chosen = masked["target_mask"]
+    assert not chosen[~batch["mask"]].any() and chosen.any(1).all()
+    assert (masked["inputs"][chosen] == MASK).all()
+    np.testing.assert_array_equal(masked["inputs"][~chosen], batch["inputs"][~chosen])
+
+
+def test_cli_round_trip(tmp_path):
+    runner = CliRunner()
+    workdir = tmp_path / "run"
+    result = runner.invoke(app, ["train", "recsys", "--preset", "tiny", "--data", FIXTURE, "--workdir", str(workdir),
+                                 *COLUMNS, "--set", "train.steps=30"])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(app, ["eval", "recsys", "--workdir", str(workdir), "--data", FIXTURE])
+    assert result.exit_code == 0, result.output
+    report = json.loads((workdir / "eval_test.json").read_text())
+    assert "full ranking" in report["protocol"] and "seen items excluded" in report["protocol"]
+    assert {"hr@10", "ndcg@10", "mrr@10"} <= set(report) and "most_popular" in report["baselines"]
+    result = runner.invoke(app, ["predict", "recsys", "--workdir", str(workdir), "--history", "i3,i4,nosuch"])
+    assert result.exit_code == 0 and "i5" in result.output, result.output
+    result = runner.invoke(app, ["predict", "recsys", "--workdir", str(workdir), "--user", "u7"])
+    assert result.exit_code == 0, result.output
+    for args, message in [(["--history", ","], "--history is empty"), (["--user", "ghost"], "Unknown user 'ghost'")]:
+        result = runner.invoke(app, ["predict", "recsys", "--workdir", str(workdir), *args])
+        assert result.exit_code == 1 and message in result.output, result.output
