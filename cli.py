@@ -135,10 +135,20 @@ def predict(
         Optional[list[str]], typer.Argument(help="Inputs; read from stdin, one per line, when absent.")
     ] = None,
     workdir: WorkdirOpt = None,
+    user: Annotated[Optional[str], typer.Option(help="recsys: recommend for this user of the training log.")] = None,
+    history: Annotated[
+        Optional[str], typer.Option(help="recsys: recommend after these item ids, comma-separated.")
+    ] = None,
 ) -> None:
     """Predict with the best checkpoint of WORKDIR."""
     task_type = _task(task)
-    lines = inputs or _stdin_lines()
+    asked = {"user": user, "history": history}
+    given = [name for name, value in asked.items() if value is not None]
+    for name in given:
+        if name not in getattr(task_type, "predict_options", ()):
+            raise UserError(f"apps predict {task} does not take --{name}.")
+    lines = [f"{name}={asked[name]}" for name in given] or inputs or _stdin_lines()
+    _show_task_log()
     from rich.table import Table
 
     from core import run

@@ -141,10 +141,13 @@ def evaluate(
 
 
 def predict(task_type: type, workdir: str | Path, lines: Sequence[str]) -> list[dict[str, str]]:
-    """One printable row per input line."""
-    loaded = load(task_type, workdir)
+    """One printable row per prediction for the input lines."""
+    return predict_loaded(load(task_type, workdir), lines)
+
+
+def predict_loaded(loaded: Loaded, lines: Sequence[str]) -> list[dict[str, str]]:
+    """`predict` on a run already loaded, for callers that predict many times."""
     examples = loaded.task.parse_inputs(lines)
     arrays = loaded.featurizer(examples)
-    batch_size = loaded.task.config.train.eval_batch_size
-    _, predictions = evaluate_arrays(loaded.steps, loaded.params, arrays, batch_size)
+    _, predictions = evaluate_arrays(loaded.steps, loaded.params, arrays, loaded.task.config.train.eval_batch_size)
     return loaded.task.render(predictions, examples, loaded.featurizer)

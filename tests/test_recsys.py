@@ -10,7 +10,7 @@ from cli import app
 from core.config import apply_overrides
 from core.errors import UserError
 from tasks.recsys import data
-from tasks.recsys.sequential import MASK, PAD, RecsysTask, tiny
+from tasks.recsys.sequential import MASK, PAD, Recommender, RecsysTask, tiny
 
 FIXTURE = "tests/fixtures/interactions.csv"
 COLUMNS = ["--set", "data.user_column=user", "--set", "data.item_column=item", "--set", "data.time_column=time"]
@@ -90,9 +90,12 @@ def test_ranking_rows_exclude_seen_items(featurized):
 
 def test_bert4rec_masking_never_touches_padding(featurized):
     _, featurizer, _, _ = featurized
-    task = RecsysTask(config=apply_overrides(tiny(), ["data.model_type=bert4rec", "data.mask_ratio=0.5"]), data="synthetic")
-    batch = featurizer.__class__(featurizer.items, {}, featurizer.popularity, featurizer.sequences,
-                                 featurizer.max_len, task.config.data)(task.examples("train"))
+    task = RecsysTask(
+        config=apply_overrides(tiny(), ["data.model_type=bert4rec", "data.mask_ratio=0.5"]), data="synthetic"
+    )
+    batch = featurizer.__class__(
+        featurizer.items, {}, featurizer.popularity, featurizer.sequences, featurizer.max_len, task.config.data
+    )(task.examples("train"))
     masked = task.augment(batch, np.random.default_rng(0))
     chosen = masked["target_mask"]
     assert not chosen[~batch["mask"]].any() and chosen.any(1).all()
@@ -103,8 +106,22 @@ def test_bert4rec_masking_never_touches_padding(featurized):
 def test_cli_round_trip(tmp_path):
     runner = CliRunner()
     workdir = tmp_path / "run"
-    result = runner.invoke(app, ["train", "recsys", "--preset", "tiny", "--data", FIXTURE, "--workdir", str(workdir),
-                                 *COLUMNS, "--set", "train.steps=30"])
+    result = runner.invoke(
+        app,
+        [
+            "train",
+            "recsys",
+            "--preset",
+            "tiny",
+            "--data",
+            FIXTURE,
+            "--workdir",
+            str(workdir),
+            *COLUMNS,
+            "--set",
+            "train.steps=30",
+        ],
+    )
     assert result.exit_code == 0, result.output
     result = runner.invoke(app, ["eval", "recsys", "--workdir", str(workdir), "--data", FIXTURE])
     assert result.exit_code == 0, result.output
@@ -115,6 +132,8 @@ def test_cli_round_trip(tmp_path):
     assert result.exit_code == 0 and "i5" in result.output, result.output
     result = runner.invoke(app, ["predict", "recsys", "--workdir", str(workdir), "--user", "u7"])
     assert result.exit_code == 0, result.output
+    recommendations = Recommender(workdir).recommend(["i3", "i4"], k=3)
+    assert len(recommendations) == 3 and all(r["item"] not in ("i3", "i4") for r in recommendations)
     for args, message in [(["--history", ","], "--history is empty"), (["--user", "ghost"], "Unknown user 'ghost'")]:
         result = runner.invoke(app, ["predict", "recsys", "--workdir", str(workdir), *args])
         assert result.exit_code == 1 and message in result.output, result.output
