@@ -95,6 +95,8 @@ class Task(Protocol):
     def protocol(self) -> dict[str, str]:
         """{"dataset": ..., "protocol": ...}: what a reported number was measured on, and how."""
 
+    # Optional: `predict_options`, a ClassVar tuple of the `apps predict` options the task takes
+    # ("user", "history"), which reach `parse_inputs` as "name=value" lines.
     # Optional: `augment(batch, rng) -> batch`, applied to each global training batch with a
     # generator seeded by (seed, step): random masking, negative sampling.
 
