@@ -180,9 +180,16 @@ def _show_task_log() -> None:
     """Tasks report counts (rows dropped, items skipped) on the "apps" logger: show them plainly."""
     logger = logging.getLogger("apps")
     if not logger.handlers:
-        logger.addHandler(logging.StreamHandler())
+        logger.addHandler(_StderrHandler())
         logger.setLevel(logging.INFO)
         logger.propagate = False
+
+
+class _StderrHandler(logging.Handler):
+    """Writes to whatever `sys.stderr` is at the time (test runners swap it)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        print(self.format(record), file=sys.stderr)
 
 
 def _stdin_lines() -> list[str]:

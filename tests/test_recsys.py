@@ -91,7 +91,8 @@ def test_ranking_rows_exclude_seen_items(featurized):
 def test_bert4rec_masking_never_touches_padding(featurized):
     _, featurizer, _, _ = featurized
     task = RecsysTask(
-        config=apply_overrides(tiny(), ["data.model_type=bert4rec", "data.mask_ratio=0.5"]), data="synthetic"
+        config=apply_overrides(tiny(), ["data.model_type=bert4rec", "model.causal=False", "data.mask_ratio=0.5"]),
+        data="synthetic",
     )
     batch = featurizer.__class__(
         featurizer.items, {}, featurizer.popularity, featurizer.sequences, featurizer.max_len, task.config.data
@@ -137,3 +138,38 @@ def test_cli_round_trip(tmp_path):
     for args, message in [(["--history", ","], "--history is empty"), (["--user", "ghost"], "Unknown user 'ghost'")]:
         result = runner.invoke(app, ["predict", "recsys", "--workdir", str(workdir), *args])
         assert result.exit_code == 1 and message in result.output, result.output
+
+
+def test_sampled_ranking_candidates_are_unseen_negatives(featurized):
+    task, featurizer, _, _ = featurized
+    options = apply_overrides(tiny(), ["data.ranking=sampled", "data.candidates=10", "data.sampling=popularity"]).data
+    sampled = featurizer.__class__(
+        featurizer.items, {}, featurizer.popularity, featurizer.sequences, featurizer.max_len, options
+    )(task.examples("test"))
+    candidates, seen = sampled["candidates"], sampled["seen"]
+    np.testing.assert_array_equal(candidates[:, 0], sampled["targets"])
+    for row in range(len(candidates)):
+        negatives = set(candidates[row, 1:])
+        assert len(negatives) == 10 and not negatives & set(seen[row]) and sampled["targets"][row] not in negatives
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["train.steps=40", "data.loss=bce", "data.negatives=3"],
+        ["train.steps=40", "data.tie_embeddings=False"],
+        # Cloze training sees a fraction of the positions per step: it needs more steps.
+        ["train.steps=150", "data.model_type=bert4rec", "model.causal=False", "data.mask_ratio=0.3"],
+    ],
+)
+def test_variants_learn(tmp_path, overrides):
+    from core import run
+
+    run.train(RecsysTask, workdir=tmp_path, preset="tiny", overrides=overrides, data="synthetic")
+    result = run.evaluate(RecsysTask, tmp_path, split="test", data="synthetic")
+    assert result["ndcg@10"] > result["baselines"]["most_popular"]["ndcg@10"]
+
+
+def test_model_type_must_match_attention():
+    with pytest.raises(UserError, match="bert4rec needs model.causal=False"):
+        RecsysTask(config=apply_overrides(tiny(), ["data.model_type=bert4rec"]))

@@ -254,6 +254,14 @@ class RecsysTask:
     config: Config
     data: str | None = None
 
+    def __post_init__(self):
+        model_type, causal = self.config.data.model_type, self.config.model.causal
+        if causal != (model_type == "sasrec"):
+            raise UserError(
+                f"{model_type} needs model.causal={not causal}: use --preset {model_type}, "
+                f"or --set model.causal={not causal}."
+            )
+
     def _log(self) -> rec_data.Log:
         o = self.config.data
         if self.data == "synthetic":
