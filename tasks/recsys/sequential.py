@@ -356,11 +356,7 @@ class RecsysTask:
         and (if asked) seen items at -inf."""
         hidden = jnp.take_along_axis(projection.hidden, batch["last"][:, None, None], axis=1)[:, 0]
         scores = jnp.einsum("BD,VD->BV", hidden, projection.weight.astype(hidden.dtype)).astype(jnp.float32)
-        excluded = jnp.zeros(scores.shape, bool).at[:, jnp.asarray([PAD, MASK])].set(True)
-        if exclude_seen:
-            rows = jnp.arange(scores.shape[0])[:, None]
-            excluded = excluded.at[rows, batch["seen"]].set(True)
-        return jnp.where(excluded, -jnp.inf, scores)
+        return _mask_scores(scores, batch["seen"] if exclude_seen else None)
 
     def metrics(self, projection: Projection, batch: dict):
         scores = self._scores(projection, batch, exclude_seen=self.config.data.exclude_seen)
@@ -376,13 +372,9 @@ class RecsysTask:
     def baselines(self, train, test, featurizer: ItemFeaturizer) -> dict[str, dict[str, float]]:
         """Most-popular: items ranked by training-split count, under the same protocol."""
         batch = featurizer(test)
-        scores = jnp.broadcast_to(jnp.asarray(featurizer.popularity, jnp.float32), (len(test), featurizer.vocab_size))
-        rows = jnp.arange(len(test))[:, None]
-        excluded = jnp.zeros(scores.shape, bool).at[:, jnp.asarray([PAD, MASK])].set(True)
-        if self.config.data.exclude_seen:
-            excluded = excluded.at[rows, jnp.asarray(batch["seen"])].set(True)
-        scores = jnp.where(excluded, -jnp.inf, scores)
         jbatch = {k: jnp.asarray(v) for k, v in batch.items()}
+        scores = jnp.broadcast_to(jnp.asarray(featurizer.popularity, jnp.float32), (len(test), featurizer.vocab_size))
+        scores = _mask_scores(scores, jbatch["seen"] if self.config.data.exclude_seen else None)
         return {"most_popular": metric_lib.finish(metric_lib.ranking(_ranks(scores, jbatch), jbatch["weights"], KS))}
 
     def parse_inputs(self, lines: Sequence[str]) -> list[dict]:
@@ -441,6 +433,14 @@ class Recommender:
             raise UserError(f"k={k}: this run returns at most data.top_k={top_k} items.")
         rows = self._run.predict_loaded(self.loaded, ["history=" + ",".join(map(str, history))])
         return [{"item": r["item"], "title": r["title"], "score": float(r["score"])} for r in rows[:k]]
+
+
+def _mask_scores(scores: jax.Array, seen: jax.Array | None) -> jax.Array:
+    """Scores [B, V + 2] with padding, the mask token and (if given) each row's seen items at -inf."""
+    excluded = jnp.zeros(scores.shape, bool).at[:, jnp.asarray([PAD, MASK])].set(True)
+    if seen is not None:
+        excluded = excluded.at[jnp.arange(scores.shape[0])[:, None], seen].set(True)
+    return jnp.where(excluded, -jnp.inf, scores)
 
 
 def _ranks(scores: jax.Array, batch: dict) -> jax.Array:
