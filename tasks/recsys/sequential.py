@@ -62,10 +62,12 @@ def sasrec() -> Config:
     return Config(
         task="recsys",
         preset="sasrec",
-        model=ModelConfig(d_model=64, num_layers=2, num_heads=2, mlp_dim=256, max_len=200, dropout=0.2, causal=True),
+        # The 50 most recent items (RecBole's length for ML-100K): on validation NDCG@10 it beat
+        # 200 (0.099 vs 0.084) and trains twice as fast; longer histories train in windows.
+        model=ModelConfig(d_model=64, num_layers=2, num_heads=2, mlp_dim=256, max_len=50, dropout=0.2, causal=True),
         optim=OptimConfig(learning_rate=1e-3, warmup_steps=50, weight_decay=0.0, b2=0.98),
-        # About 7 minutes here; validation NDCG@10 is near its best from step 250 on.
-        train=TrainConfig(batch_size=64, eval_batch_size=256, steps=1000, eval_every=250, checkpoint_every=250),
+        # About 4 minutes here; validation NDCG@10 is near its best from step 500 on.
+        train=TrainConfig(batch_size=128, eval_batch_size=256, steps=1000, eval_every=250, checkpoint_every=250),
         data=RecsysData(),
     )
 
@@ -76,6 +78,8 @@ def bert4rec() -> Config:
         config,
         preset="bert4rec",
         model=dataclasses.replace(config.model, causal=False, dropout=0.1),
+        # Cloze training learns from a fifth of the positions per step: it needs more steps.
+        train=dataclasses.replace(config.train, steps=2000),
         data=RecsysData(model_type="bert4rec"),
     )
 
