@@ -9,6 +9,7 @@ complete, so an interrupted run always leaves its last completed checkpoint inta
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,16 @@ import jax
 import orbax.checkpoint as ocp
 
 from core.errors import UserError
+
+
+class _ReadOnlyNotice(logging.Filter):
+    """Drops orbax's warning that a manager opened read-only (for eval and predict) is read-only."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Given directory is read only")
+
+
+logging.getLogger("absl").addFilter(_ReadOnlyNotice())
 
 
 def _manager(directory: Path, keep: int, read_only: bool = False) -> ocp.CheckpointManager:
