@@ -127,17 +127,18 @@ def run_config(bench: BenchConfig, steps: int) -> dict[str, float]:
     step_s = float(np.min(times))
     tokens_per_s = bench.batch_size * bench.seq_len / step_s
     flops_per_token = 6 * matmul_params + 12 * bench.num_layers * bench.d_model * bench.seq_len
+    achieved = flops_per_token * tokens_per_s
     return {
         "tokens_per_s": tokens_per_s,
         "step_s": step_s,
         "compile_s": compile_s,
         "flops_per_token": flops_per_token,
-        "achieved_flops": flops_per_token * tokens_per_s,
+        "achieved_flops": achieved,
         "params": matmul_params,
         "peak_flops": peak.best,
-        "mfu": flops_per_token * tokens_per_s / peak.best,
+        "mfu": achieved / peak.best,
         "burst_flops": peak.burst,
-        "mfu_burst": flops_per_token * tokens_per_s / peak.burst,
+        "mfu_burst": achieved / peak.burst,
     }
 
 
