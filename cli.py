@@ -42,6 +42,15 @@ def _console():
     return Console(highlight=False)
 
 
+@app.callback()
+def main() -> None:
+    """JAX/Flax Transformer pipelines for real domain problems."""
+    from core import host
+
+    # The CLI owns its process: keep freed host memory for XLA's per-step arenas (see core/host.py).
+    host.keep_freed_memory()
+
+
 def user_errors(command):
     """Prints a UserError as a message and exits 1, without a traceback."""
 
@@ -118,12 +127,14 @@ def evaluate(
     if split not in ("valid", "test"):
         raise UserError(f"--split {split!r}: expected valid or test.")
     task_type = _task(task)
+    _show_task_log()
     from core import run
 
     workdir = workdir or Path("runs") / task
     result = run.evaluate(task_type, workdir, split=split, data=data)
     baselines = result.pop("baselines", {})
-    _print_metrics(f"{task} on {split}: {result.pop('dataset')}; {result.pop('protocol')}", result, baselines)
+    title = f"{task} on {split} ({result.pop('checkpoint')}): {result.pop('dataset')}; {result.pop('protocol')}"
+    _print_metrics(title, result, baselines)
     typer.echo(f"Wrote {workdir / f'eval_{split}.json'}.")
 
 
@@ -145,7 +156,7 @@ def predict(
     asked = {"user": user, "history": history}
     given = [name for name, value in asked.items() if value is not None]
     for name in given:
-        if name not in getattr(task_type, "predict_options", ()):
+        if name not in task_type.predict_options:
             raise UserError(f"apps predict {task} does not take --{name}.")
     lines = [f"{name}={asked[name]}" for name in given] or inputs or _stdin_lines()
     _show_task_log()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -37,6 +38,25 @@ class ModelConfig:
     # "cudnn" selects the fused flash kernel on NVIDIA GPUs (bf16 compute).
     attention: Literal["auto", "xla", "cudnn", "blockwise"] = "auto"
 
+    def __post_init__(self):
+        for key in ("d_model", "num_layers", "num_heads", "mlp_dim", "max_len"):
+            require(getattr(self, key) > 0, f"model.{key}", getattr(self, key), "must be positive")
+        require(
+            self.d_model % self.num_heads == 0,
+            "model.num_heads",
+            self.num_heads,
+            f"must divide model.d_model={self.d_model}",
+        )
+        if self.positions == "rotary":
+            head_dim = self.d_model // self.num_heads
+            require(
+                head_dim % 2 == 0,
+                "model.num_heads",
+                self.num_heads,
+                f"gives heads of odd size {head_dim}; rotary positions need an even size",
+            )
+        require(0 <= self.dropout < 1, "model.dropout", self.dropout, "must be in [0, 1)")
+
 
 @dataclass(frozen=True, kw_only=True)
 class OptimConfig:
@@ -51,6 +71,27 @@ class OptimConfig:
     b2: float = 0.98
     eps: float = 1e-8
     label_smoothing: float = 0.0
+
+    def __post_init__(self):
+        require(
+            math.isfinite(self.learning_rate) and self.learning_rate > 0,
+            "optim.learning_rate",
+            self.learning_rate,
+            "must be a positive finite number",
+        )
+        require(self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, "must be >= 0")
+        require(0 <= self.end_lr_ratio <= 1, "optim.end_lr_ratio", self.end_lr_ratio, "must be in [0, 1]")
+        require(
+            math.isfinite(self.weight_decay) and self.weight_decay >= 0,
+            "optim.weight_decay",
+            self.weight_decay,
+            "must be >= 0 and finite",
+        )
+        require(self.clip_norm > 0, "optim.clip_norm", self.clip_norm, "must be positive (inf: no clipping)")
+        for key in ("b1", "b2"):
+            require(0 <= getattr(self, key) < 1, f"optim.{key}", getattr(self, key), "must be in [0, 1)")
+        require(0 < self.eps < 1, "optim.eps", self.eps, "must be in (0, 1)")
+        require(0 <= self.label_smoothing < 1, "optim.label_smoothing", self.label_smoothing, "must be in [0, 1)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,6 +111,18 @@ class TrainConfig:
     # Devices on the `fsdp` mesh axis; parameters are sharded over it, the batch over all.
     fsdp: int = 1
 
+    def __post_init__(self):
+        for key in ("batch_size", "eval_batch_size", "steps", "eval_every", "checkpoint_every", "log_every"):
+            require(getattr(self, key) > 0, f"train.{key}", getattr(self, key), "must be positive")
+        require(self.grad_accum > 0, "train.grad_accum", self.grad_accum, "must be positive")
+        require(
+            self.batch_size % self.grad_accum == 0,
+            "train.batch_size",
+            self.batch_size,
+            f"must be a multiple of train.grad_accum={self.grad_accum}",
+        )
+        require(self.fsdp > 0, "train.fsdp", self.fsdp, "must be positive")
+
 
 @dataclass(frozen=True, kw_only=True)
 class Config:
@@ -81,6 +134,16 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: Any = None
+
+    def __post_init__(self):
+        # jax.nn.dot_product_attention's cuDNN kernel runs bf16 and fp16 only.
+        if self.model.attention == "cudnn":
+            require(
+                self.train.compute_dtype == "bfloat16",
+                "model.attention",
+                "cudnn",
+                'needs train.compute_dtype="bfloat16" (the cuDNN flash kernel has no float32 path)',
+            )
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -97,6 +160,12 @@ class Config:
         )
 
 
+def require(condition: bool, key: str, value: Any, rule: str) -> None:
+    """Raises a UserError naming the key, its value and the rule it breaks, unless `condition`."""
+    if not condition:
+        raise UserError(f"{key}={value!r} {rule}.")
+
+
 def _from_dict(cls: type, raw: dict) -> Any:
     hints = typing.get_type_hints(cls)
     values = {}
@@ -110,13 +179,47 @@ def _from_dict(cls: type, raw: dict) -> Any:
 
 
 def apply_overrides(config: Config, overrides: list[str]) -> Config:
-    """Returns `config` with each `section.key=value` of `overrides` applied, checked."""
+    """Returns `config` with each `section.key=value` of `overrides` applied, checked.
+
+    Every value is type-checked as it is parsed; the sections are then rebuilt once, so that
+    their rules (`__post_init__`) judge the final combination, not each step towards it
+    (`--set model.num_heads=3 --set model.d_model=96` is fine in either order).
+    """
+    changes = _Changes()
     for item in overrides:
         path, sep, text = item.partition("=")
         if not sep or not path.strip():
             raise UserError(f"--set {item!r}: expected KEY=VALUE, for example --set train.steps=500.")
-        config = _set(config, path.strip().split("."), _parse(text.strip(), item), item)
-    return config
+        keys = path.strip().split(".")
+        value = _parse(text.strip(), item)
+        node, level = config, changes
+        for depth, key in enumerate(keys):
+            if not dataclasses.is_dataclass(node):
+                raise UserError(f"--set {item!r}: {type(node).__name__} has no fields to set.")
+            names = [f.name for f in dataclasses.fields(node)]
+            if key not in names:
+                raise UserError(f"--set {item!r}: unknown key {key!r}; valid keys here: {', '.join(names)}.")
+            if depth == len(keys) - 1:
+                level[key] = _check(value, typing.get_type_hints(type(node))[key], item)
+            else:
+                node, level = getattr(node, key), level.setdefault(key, _Changes())
+                if not isinstance(level, _Changes):
+                    raise UserError(f"--set {item!r}: {key!r} was already set as a whole.")
+    return _rebuild(config, changes)
+
+
+class _Changes(dict):
+    """Overrides below one dataclass node: key -> value, or key -> _Changes of a nested node."""
+
+
+def _rebuild(node: Any, changes: _Changes) -> Any:
+    if not changes:
+        return node
+    values = {
+        key: _rebuild(getattr(node, key), change) if isinstance(change, _Changes) else change
+        for key, change in changes.items()
+    }
+    return dataclasses.replace(node, **values)
 
 
 def _parse(text: str, item: str) -> Any:
@@ -127,19 +230,6 @@ def _parse(text: str, item: str) -> Any:
         if text.replace("_", "").replace("-", "").isalnum():
             return text
         raise UserError(f"--set {item!r}: {text!r} is not a Python literal.") from None
-
-
-def _set(node: Any, path: list[str], value: Any, item: str) -> Any:
-    if not dataclasses.is_dataclass(node):
-        raise UserError(f"--set {item!r}: {type(node).__name__} has no fields to set.")
-    names = [f.name for f in dataclasses.fields(node)]
-    key = path[0]
-    if key not in names:
-        raise UserError(f"--set {item!r}: unknown key {key!r}; valid keys here: {', '.join(names)}.")
-    if len(path) > 1:
-        return dataclasses.replace(node, **{key: _set(getattr(node, key), path[1:], value, item)})
-    hint = typing.get_type_hints(type(node))[key]
-    return dataclasses.replace(node, **{key: _check(value, hint, item)})
 
 
 def _check(value: Any, hint: Any, where: str) -> Any:

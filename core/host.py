@@ -10,14 +10,18 @@ own malloc arenas, which fall back to `mmap` for such blocks whatever the mmap t
 `keep_freed_memory` makes every thread allocate from the main heap, never through `mmap`,
 and keeps freed memory instead of trimming it, so the second step reuses the pages of the first.
 The price is that the process keeps its peak heap size until it exits, which is what a training
-or serving process does anyway. It must run before JAX starts its thread pools (arenas already
-handed to threads stay theirs); `core` calls it on import. Elsewhere than glibc it does nothing.
+or serving process does anyway, and not what a library should impose on the program that imports
+it. So it is applied where the suite owns the process: the `apps` CLI, before JAX starts, and
+`core.run.train`. It works fully only before JAX starts its thread pools (arenas already handed
+to threads stay theirs): a Python program that wants the whole gain calls it first thing.
+`APPS_KEEP_FREED_MEMORY=0` turns it off. Elsewhere than glibc it does nothing.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import sys
 
 # mallopt parameters from glibc's malloc.h.
@@ -28,7 +32,7 @@ M_ARENA_MAX = -8
 
 def keep_freed_memory() -> bool:
     """Tune glibc malloc as described above; True when the settings took effect."""
-    if not sys.platform.startswith("linux"):
+    if os.environ.get("APPS_KEEP_FREED_MEMORY", "1") == "0" or not sys.platform.startswith("linux"):
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")

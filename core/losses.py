@@ -88,7 +88,14 @@ def _fused_ce_forward(hidden, weight, targets, weights, chunk):
 
 def _fused_ce_backward(chunk, residuals, cotangent):
     grad_hidden, grad_weight, targets, weights = residuals
-    return (cotangent * grad_hidden).astype(grad_hidden.dtype), cotangent * grad_weight, None, None
+    # A custom VJP must return cotangents in its inputs' dtypes (bf16 under bf16 compute); the
+    # float32 loss cotangent would otherwise promote them.
+    return (
+        (cotangent * grad_hidden).astype(grad_hidden.dtype),
+        (cotangent * grad_weight).astype(grad_weight.dtype),
+        None,
+        None,
+    )
 
 
 _fused_ce.defvjp(_fused_ce_forward, _fused_ce_backward)

@@ -10,6 +10,7 @@ print(run.predict(tasks.get("sentiment"), "runs/sentiment", ["Lovely fabric, fit
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,8 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import jax
+from jax.experimental import multihost_utils
 from rich.console import Console
 
+from core import data as data_lib
+from core import host
 from core.checkpoint import Checkpoints, write_json
 from core.config import Config, apply_overrides
 from core.errors import UserError
@@ -41,6 +45,7 @@ class Loaded:
     featurizer: Any
     steps: Steps
     params: Any
+    checkpoint: str  # which checkpoint the parameters came from, e.g. "best/ step 40"
 
 
 def _examples(task, split: str) -> list[dict]:
@@ -60,9 +65,12 @@ def train(
     console: Console | None = None,
 ) -> dict[str, float]:
     """Trains (or resumes) a run in `workdir`; returns the final validation metrics."""
+    host.keep_freed_memory()  # a training process owns its heap (see core/host.py)
     console = console or Console()
-    workdir = Path(workdir)
+    workdir = _workdir(workdir)
     config = make_config(task_type, preset, overrides)
+    data_lib.check_batch_size(config.train.batch_size, "train.batch_size", config.train.grad_accum)
+    data_lib.check_batch_size(config.train.eval_batch_size, "train.eval_batch_size")
     config_path = workdir / "config.json"
     if config_path.exists():
         saved = Config.from_dict(json.loads(config_path.read_text()), task_type.data_type)
@@ -74,15 +82,9 @@ def train(
     task = task_type(config=config, data=data)
     started = time.perf_counter()
     train_examples = _examples(task, "train")
-    featurizer_dir = workdir / "featurizer"
-    if featurizer_dir.exists():
-        featurizer = task.load_featurizer(featurizer_dir)
-    else:
-        featurizer = task.fit_featurizer(train_examples)
-        if jax.process_index() == 0:
-            featurizer_dir.mkdir(parents=True, exist_ok=True)
-            featurizer.save(featurizer_dir)
-            write_json(config_path, config.to_dict())
+    featurizer = _featurizer(task, train_examples, workdir)
+    if jax.process_index() == 0 and not config_path.exists():
+        write_json(config_path, config.to_dict())
     valid_examples = _examples(task, "valid")
     train_arrays, valid_arrays = featurizer(train_examples), featurizer(valid_examples)
     console.print(
@@ -98,9 +100,32 @@ def train(
     return fit(task, config, steps, train_arrays, validate, workdir, console)
 
 
+def _workdir(workdir: str | Path) -> Path:
+    workdir = Path(workdir)
+    if workdir.exists() and not workdir.is_dir():
+        raise UserError(f"--workdir {workdir} is a file, not a folder: choose another path.")
+    return workdir
+
+
+def _featurizer(task, train_examples: list[dict], workdir: Path):
+    """The run's featurizer: loaded from the workdir, or fitted once (by process 0 in a
+    multi-process run, while the others wait) and saved there for every process to load."""
+    directory = workdir / "featurizer"
+    if jax.process_index() == 0 and not directory.exists():
+        # Fitted into a temporary folder and renamed: a killed run never leaves half a featurizer.
+        temporary = workdir / "featurizer.tmp"
+        shutil.rmtree(temporary, ignore_errors=True)
+        temporary.mkdir(parents=True)
+        task.fit_featurizer(train_examples).save(temporary)
+        temporary.rename(directory)
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices("featurizer saved")
+    return task.load_featurizer(directory)
+
+
 def load(task_type: type, workdir: str | Path, data: str | None = None) -> Loaded:
     """The trained run in `workdir` (best checkpoint), ready to evaluate or predict."""
-    workdir = Path(workdir)
+    workdir = _workdir(workdir)
     config_path = workdir / "config.json"
     if not config_path.exists():
         raise UserError(
@@ -112,13 +137,13 @@ def load(task_type: type, workdir: str | Path, data: str | None = None) -> Loade
         raise UserError(f"{workdir} holds a {config.task} run, not {task_type.name}.")
     task = task_type(config=config, data=data)
     featurizer = task.load_featurizer(workdir / "featurizer")
-    steps = make_steps(task, build_model(task, featurizer, config), config, config.train.steps)
+    steps = make_steps(task, build_model(task, featurizer, config), config, config.train.steps, training=False)
     checkpoints = Checkpoints(workdir, read_only=True)
     try:
-        params = checkpoints.restore(steps.state, best=True)["params"]
+        restored = checkpoints.restore_params(steps.state["params"])
     finally:
         checkpoints.close()
-    return Loaded(task, featurizer, steps, params)
+    return Loaded(task, featurizer, steps, restored.value, restored.where)
 
 
 def evaluate(
@@ -132,7 +157,7 @@ def evaluate(
         loaded.steps, loaded.params, featurizer(examples), task.config.train.eval_batch_size
     )
     result: dict[str, Any] = {**streamed, **task.score(predictions, examples, featurizer)}
-    result.update(task.protocol(), split=split, examples=len(examples))
+    result.update(task.protocol(), split=split, examples=len(examples), checkpoint=loaded.checkpoint)
     if baselines:
         result["baselines"] = task.baselines(_examples(task, "train"), examples, featurizer)
     if jax.process_index() == 0:

@@ -42,13 +42,17 @@ class Featurizer(Protocol):
 
 
 class Task(Protocol):
-    """What every registered task implements."""
+    """What every registered task implements. Tasks subclass it, so that the optional hooks
+    below keep their defaults unless a task overrides them."""
 
     name: ClassVar[str]
     summary: ClassVar[str]
     model_summary: ClassVar[str]
     default_data: ClassVar[str]
     metric_names: ClassVar[tuple[str, ...]]
+    # The validation metric that picks the `best/` checkpoint, and its direction.
+    best_metric: ClassVar[str]
+    lower_is_better: ClassVar[bool] = False
     # Preset name -> function returning the full Config; at least "tiny" and "base".
     presets: ClassVar[dict[str, Callable[[], Config]]]
     default_preset: ClassVar[str]
@@ -95,10 +99,14 @@ class Task(Protocol):
     def protocol(self) -> dict[str, str]:
         """{"dataset": ..., "protocol": ...}: what a reported number was measured on, and how."""
 
-    # Optional: `predict_options`, a ClassVar tuple of the `apps predict` options the task takes
-    # ("user", "history"), which reach `parse_inputs` as "name=value" lines.
-    # Optional: `augment(batch, rng) -> batch`, applied to each global training batch with a
-    # generator seeded by (seed, step): random masking, negative sampling.
+    # The `apps predict` options the task takes ("user", "history"); they reach `parse_inputs`
+    # as "name=value" lines.
+    predict_options: ClassVar[tuple[str, ...]] = ()
+
+    def augment(self, batch: Batch, rng: np.random.Generator) -> Batch:
+        """Applied to each global training batch with a generator seeded by (seed, step): random
+        masking, negative sampling. The default leaves the batch as it is."""
+        return batch
 
     def parse_inputs(self, lines: Sequence[str]) -> list[Example]:
         """Examples from the lines a user gives `apps predict`."""

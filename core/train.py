@@ -54,30 +54,50 @@ def cast_for_compute(params: Any, dtype: str) -> Any:
 
 @dataclass
 class Steps:
-    """The compiled programs of one run, and the sharded initial state."""
+    """The compiled programs of one run and its sharded initial state: {"params"} for eval and
+    predict, or {"params", "opt_state", "step"} with a `train_step` for training."""
 
     graphdef: Any
     state: State
-    train_step: Callable[[State, dict], tuple[State, dict]]
+    train_step: Callable[[State, dict], tuple[State, dict]] | None
     eval_step: Callable[[Any, dict], tuple[dict, dict]]
     mesh: Mesh
 
 
-def make_steps(task: Task, model: Model, config: Config, total_steps: int, devices: list | None = None) -> Steps:
+def make_steps(
+    task: Task,
+    model: Model,
+    config: Config,
+    total_steps: int,
+    devices: list | None = None,
+    *,
+    training: bool = True,
+) -> Steps:
     train = config.train
     mesh = sharding.make_mesh(train.fsdp, devices)
     graphdef, params = nnx.split(model)
     params = nnx.to_pure_dict(params)
+
+    def forward(params, batch, key):
+        model = nnx.merge(graphdef, cast_for_compute(params, train.compute_dtype))
+        return model(batch, dropout_key=key)
+
+    def eval_step(params, batch):
+        outputs = forward(params, batch, None)
+        streamed = dict(task.metrics(outputs, batch))
+        streamed["loss"] = task.loss(outputs, batch)
+        return streamed, task.decode(outputs, batch)
+
+    if not training:
+        state = sharding.place_params(mesh, {"params": params})
+        return Steps(graphdef, state, None, jax.jit(eval_step), mesh)
+
     tx = optimizer(config.optim, total_steps)
     # Optimizer moments follow their parameter's placement: the rule depends on shape alone.
     state = {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
     state = sharding.place_params(mesh, state)
     state_sharding = jax.tree.map(lambda x: x.sharding, state)
     base_key = jax.random.key(train.seed)
-
-    def forward(params, batch, key):
-        model = nnx.merge(graphdef, cast_for_compute(params, train.compute_dtype))
-        return model(batch, dropout_key=key)
 
     def loss_sum(params, batch, key):
         return task.loss(forward(params, batch, key), batch)
@@ -110,12 +130,6 @@ def make_steps(task: Task, model: Model, config: Config, total_steps: int, devic
         updates, opt_state = tx.update(grads, state["opt_state"], params)
         new_state = {"params": optax.apply_updates(params, updates), "opt_state": opt_state, "step": state["step"] + 1}
         return new_state, {"loss": total / weight, "grad_norm": optax.tree.norm(grads)}
-
-    def eval_step(params, batch):
-        outputs = forward(params, batch, None)
-        streamed = dict(task.metrics(outputs, batch))
-        streamed["loss"] = task.loss(outputs, batch)
-        return streamed, task.decode(outputs, batch)
 
     batch_sharding = sharding.batch_sharding(mesh)
     return Steps(
@@ -172,32 +186,30 @@ def fit(
     workdir: Path,
     console: Console,
 ) -> dict[str, float]:
-    """Trains from the latest checkpoint in `workdir` (or from scratch) to `train.steps`.
+    """Trains from the latest readable checkpoint in `workdir` (or from scratch) to `train.steps`.
 
-    Calls `validate(params)` every `train.eval_every` steps and at the end, keeps the state with
-    the best `task.metric_names[0]` (higher is better) in `best/`, and saves the latest state
-    every `train.checkpoint_every` steps. Returns the last validation metrics.
+    Calls `validate(params)` every `train.eval_every` steps and at the end, keeps the parameters
+    with the best `task.best_metric` (in the task's direction) in `best/`, and saves the latest
+    state every `train.checkpoint_every` steps. Returns the last validation metrics.
     """
     train = config.train
-    data_lib.check_batch_size(train.batch_size, "train.batch_size", train.grad_accum)
     checkpoints = Checkpoints(workdir)
     logger = Logger(workdir)
     best_path = workdir / "best.json"
-    state = steps.state
-    start = checkpoints.latest_step() or 0
-    if start:
-        state = checkpoints.restore(state)
-        console.print(f"Resuming from the checkpoint at step {start} in {workdir}.")
-    best = json.loads(best_path.read_text())["value"] if best_path.exists() else -np.inf
-    selector = task.metric_names[0]
+    state, start = steps.state, 0
+    restored = checkpoints.restore_training(state)
+    if restored is not None:
+        state, start = restored.value, restored.step
+        console.print(f"Resuming from {restored.where} in {workdir}.")
+    best = json.loads(best_path.read_text())["value"] if best_path.exists() else None
+    selector, sign = task.best_metric, -1.0 if task.lower_is_better else 1.0
     counts = []  # (examples, tokens) of each global batch placed on the devices, in order
 
     def place(batch):
         counts.append((len(batch["weights"]) * jax.process_count(), int(batch["mask"].sum()) * jax.process_count()))
         return sharding.global_batch(steps.mesh, batch)
 
-    augment = getattr(task, "augment", None)
-    batches = data_lib.train_batches(train_arrays, train.batch_size, train.seed, start, augment)
+    batches = data_lib.train_batches(train_arrays, train.batch_size, train.seed, start, task.augment)
     batches = data_lib.prefetch(batches, place)
     valid_metrics: dict[str, float] = {}
     saved = start
@@ -215,7 +227,8 @@ def fit(
     try:
         with progress:
             bar = progress.add_task("train", total=train.steps, completed=start, info="")
-            window_start, window_losses = time.perf_counter(), []
+            # Throughput counts the steps alone: validation and checkpoint time is `paused`.
+            window_start, paused, window_losses = time.perf_counter(), 0.0, []
             while step < train.steps:
                 state, logs = steps.train_step(state, next(batches))
                 step += 1
@@ -224,40 +237,46 @@ def fit(
                     losses = np.asarray(jax.device_get(window_losses))
                     if not np.all(np.isfinite(losses)):
                         raise UserError(f"The loss became {losses[-1]} at step {step}; lower optim.learning_rate.")
-                    elapsed = time.perf_counter() - window_start
+                    elapsed = time.perf_counter() - window_start - paused
                     window = counts[: len(losses)]
                     del counts[: len(losses)]
-                    examples_per_s = sum(c[0] for c in window) / elapsed
-                    tokens_per_s = sum(c[1] for c in window) / elapsed
                     record = {
                         "step": step,
                         "loss": float(losses.mean()),
                         "grad_norm": float(logs["grad_norm"]),
-                        "examples_per_s": examples_per_s,
-                        "tokens_per_s": tokens_per_s,
+                        "examples_per_s": sum(c[0] for c in window) / elapsed,
+                        "tokens_per_s": sum(c[1] for c in window) / elapsed,
                     }
                     logger.write(record)
                     progress.update(
                         bar,
                         completed=step,
-                        info=f"loss {record['loss']:.4f}  {examples_per_s:,.0f} ex/s  {tokens_per_s:,.0f} tok/s",
+                        info=f"loss {record['loss']:.4f}  {record['examples_per_s']:,.0f} ex/s  "
+                        f"{record['tokens_per_s']:,.0f} tok/s",
                     )
-                    window_start, window_losses = time.perf_counter(), []
-                if step % train.eval_every == 0 or step == train.steps:
+                    window_start, paused, window_losses = time.perf_counter(), 0.0, []
+                evaluate_now = step % train.eval_every == 0 or step == train.steps
+                save_now = step % train.checkpoint_every == 0 or step == train.steps
+                if not (evaluate_now or save_now):
+                    continue
+                jax.block_until_ready(state)  # the steps so far belong to the current window
+                pause_start = time.perf_counter()
+                if evaluate_now:
                     valid_metrics = validate(state["params"])
                     logger.write({"step": step, **{f"valid_{k}": v for k, v in valid_metrics.items()}})
-                    if valid_metrics[selector] > best:
-                        best = valid_metrics[selector]
-                        checkpoints.save(step, state, best=True)
+                    value = valid_metrics[selector]
+                    if best is None or sign * value > sign * best:
+                        best = value
+                        checkpoints.save_best(step, state["params"])
                         if logger.active:
                             write_json(best_path, {"step": step, "metric": selector, "value": best})
                     progress.console.print(
                         f"step {step}: " + "  ".join(f"valid {k} {v:.4f}" for k, v in valid_metrics.items())
                     )
-                    window_start = time.perf_counter()
-                if step % train.checkpoint_every == 0 or step == train.steps:
+                if save_now:
                     checkpoints.save(step, state)
                     saved = step
+                paused += time.perf_counter() - pause_start
     except KeyboardInterrupt:
         raise UserError(
             f"Interrupted at step {step}. The checkpoint of step {saved} in {workdir} is intact; "

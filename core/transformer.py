@@ -99,8 +99,6 @@ class Attention(nnx.Module):
     """Multi-head self-attention with a fused QKV projection."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
-        if config.d_model % config.num_heads:
-            raise ValueError(f"d_model {config.d_model} is not divisible by num_heads {config.num_heads}")
         self.config = config
         d = config.d_model
         self.qkv = Dense(d, 3 * d, rngs=rngs)

@@ -102,6 +102,8 @@ def _load_table(spec: str, text_column: str, label_column: str, stamp: tuple | N
 def _load_file(path: Path, text_column: str, label_column: str) -> dict[str, list]:
     import datasets
 
+    if path.is_dir():
+        raise UserError(f"--data {path} is a folder: give a {', '.join(FORMATS)} file.")
     if not path.is_file():
         raise UserError(f"--data {path}: no such file.")
     kind = FORMATS.get(path.suffix.lower())

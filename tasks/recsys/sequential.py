@@ -29,6 +29,7 @@ from core import metrics as metric_lib
 from core.config import Config, ModelConfig, OptimConfig, TrainConfig
 from core.errors import UserError
 from core.heads import Projection, TiedOutput, TokenEmbedder
+from core.task import Task
 from tasks.recsys import data as rec_data
 
 PAD, MASK = 0, 1  # item i of the vocabulary has index i + 2
@@ -222,6 +223,12 @@ class ItemFeaturizer:
         weights = self.popularity[2:] + 1.0 if self.options.sampling == "popularity" else np.ones(len(self.items))
         weights = weights / weights.sum()
         rows = np.zeros((len(targets), 1 + self.options.candidates), np.int32)
+        unseen = [len(self.items) - len(set(ids) | {int(target)}) for target, ids in zip(targets, histories)]
+        if min(unseen) < self.options.candidates:
+            raise UserError(
+                f"data.candidates={self.options.candidates}, but a user has only {min(unseen)} unseen items to "
+                f"sample from: lower data.candidates to at most {min(unseen)}, or use data.ranking=full."
+            )
         for row, (target, ids) in enumerate(zip(targets, histories)):
             excluded, chosen = set(ids) | {int(target)}, []
             while len(chosen) < self.options.candidates:
@@ -244,12 +251,13 @@ class UntiedOutput(nnx.Module):
 
 
 @dataclass(frozen=True, kw_only=True)
-class RecsysTask:
+class RecsysTask(Task):
     name: ClassVar[str] = "recsys"
     summary: ClassVar[str] = "Next-item recommendation (SASRec, BERT4Rec)"
     default_data: ClassVar[str] = "MovieLens-100K (recbole 1.2.1)"
     model_summary: ClassVar[str] = "causal or cloze encoder, tied items"
     metric_names: ClassVar[tuple[str, ...]] = ("ndcg@10", "hr@10", "mrr@10")
+    best_metric: ClassVar[str] = "ndcg@10"
     presets: ClassVar[dict] = {"sasrec": sasrec, "bert4rec": bert4rec, "tiny": tiny}
     default_preset: ClassVar[str] = "sasrec"
     data_type: ClassVar[type] = RecsysData
