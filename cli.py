@@ -1,4 +1,4 @@
-"""The `apps` command line: tasks, train, eval, predict, bench.
+"""The `apps` command line: tasks, train, eval, predict, report, bench.
 
 JAX and the task modules are imported inside the commands so that `apps --help` answers at
 once. A `UserError` from anywhere below is printed as one paragraph with exit code 1.
@@ -171,6 +171,26 @@ def predict(
     for row in rows:
         table.add_row(*row.values())
     _console().print(table)
+
+
+@app.command()
+@user_errors
+def report(
+    workdir: Annotated[
+        Path, typer.Option("--workdir", "-w", help="Run folder written by `apps train` (holds metrics.jsonl).")
+    ],
+) -> None:
+    """Show the best validation step of WORKDIR and draw its curves into WORKDIR/curves.png."""
+    _show_task_log()
+    from core import run
+
+    result = run.report(workdir)
+    if result["best_step"] is None:
+        typer.echo(f"{workdir} has no validation record yet.")
+    else:
+        chosen = f"by {result['metric']}" if result["metric"] else "the last validation (no best.json)"
+        _print_metrics(f"{workdir}: best step {result['best_step']}, {chosen}", result["metrics"])
+    typer.echo(f"Curves drawn in {result['picture']}.")
 
 
 @app.command()

@@ -1,10 +1,11 @@
-"""The plain functions behind the CLI, for Python users too: train, evaluate, predict.
+"""The plain functions behind the CLI, for Python users too: train, evaluate, predict, report.
 
 from core import run
 import tasks
 run.train(tasks.get("sentiment"), workdir="runs/sentiment")
 print(run.evaluate(tasks.get("sentiment"), "runs/sentiment", split="test"))
 print(run.predict(tasks.get("sentiment"), "runs/sentiment", ["Lovely fabric, fits well"]))
+print(run.report("runs/sentiment"))  # best step, its metrics, and runs/sentiment/curves.png
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from rich.console import Console
 
 from core import data as data_lib
 from core import host
+from core import report as report_lib
 from core.checkpoint import Checkpoints, write_json
 from core.config import Config, apply_overrides
 from core.errors import UserError
@@ -97,7 +99,11 @@ def train(
         streamed, predictions = evaluate_arrays(steps, params, valid_arrays, config.train.eval_batch_size)
         return {**streamed, **task.score(predictions, valid_examples, featurizer)}
 
-    return fit(task, config, steps, train_arrays, validate, workdir, console)
+    metrics = fit(task, config, steps, train_arrays, validate, workdir, console)
+    if jax.process_index() == 0:
+        # Only process 0 writes metrics.jsonl, so only it has the curves to draw.
+        console.print(f"Curves drawn in {report_lib.report(workdir)['picture']}.")
+    return metrics
 
 
 def _workdir(workdir: str | Path) -> Path:
@@ -176,3 +182,8 @@ def predict_loaded(loaded: Loaded, lines: Sequence[str]) -> list[dict[str, str]]
     arrays = loaded.featurizer(examples)
     _, predictions = evaluate_arrays(loaded.steps, loaded.params, arrays, loaded.task.config.train.eval_batch_size)
     return loaded.task.render(predictions, examples, loaded.featurizer)
+
+
+def report(workdir: str | Path) -> dict[str, Any]:
+    """The best step of the run in `workdir` with its validation metrics; draws `workdir/curves.png`."""
+    return report_lib.report(workdir)
