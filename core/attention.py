@@ -3,7 +3,8 @@
 `implementation` selects:
 
 - "xla" / "cudnn": `jax.nn.dot_product_attention` (cuDNN's fused flash kernel on NVIDIA GPUs,
-  which needs bf16 or fp16 inputs);
+  which needs bf16 or fp16 inputs and takes padding as sequence lengths; the config requires
+  bf16 compute with it; it has not yet run on a GPU in this project's tests);
 - "blockwise": queries in up to four blocks, each attending only to the keys it can see, with a
   hand-written backward pass that reuses the saved probabilities. Causal attention then skips
   the masked upper blocks (about 3/8 of the work at four blocks), and the backward is one fused
@@ -32,9 +33,21 @@ def attention(q, k, v, mask, *, causal: bool, implementation: str):
         implementation = "blockwise" if jax.default_backend() == "cpu" else "xla"
     if implementation == "blockwise":
         return blockwise_attention(q, k, v, mask, causal)
-    return jax.nn.dot_product_attention(
-        q, k, v, mask=mask[:, None, None, :], is_causal=causal, implementation=implementation
-    )
+    return jax.nn.dot_product_attention(q, k, v, **library_arguments(mask, causal, implementation))
+
+
+def library_arguments(mask, causal: bool, implementation: str) -> dict:
+    """Keyword arguments for `jax.nn.dot_product_attention` that express the padding `mask`.
+
+    XLA takes the mask itself, broadcast over heads and queries. cuDNN's flash kernel takes no
+    dense mask (JAX turns one into a bias whose layout that kernel rejects): it takes each row's
+    number of real keys, which says the same thing because the suite pads on the right.
+    """
+    arguments = {"is_causal": causal, "implementation": implementation}
+    if implementation == "cudnn":
+        lengths = mask.sum(-1, dtype=jnp.int32)
+        return {**arguments, "query_seq_lengths": lengths, "key_value_seq_lengths": lengths}
+    return {**arguments, "mask": mask[:, None, None, :]}
 
 
 def _blocks(length: int, causal: bool) -> list[tuple[int, int]]:

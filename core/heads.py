@@ -21,7 +21,8 @@ class TokenEmbedder(nnx.Module):
         self.embedding = nnx.Embed(vocab_size, d_model, embedding_init=init, rngs=rngs)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
-        return self.embedding(tokens)
+        # The table's own dtype, which is the compute dtype (nnx.Embed would promote to float32).
+        return jnp.take(self.embedding.embedding[...], tokens, axis=0)
 
 
 class PooledClassifier(nnx.Module):

@@ -1,11 +1,15 @@
-"""The blockwise attention kernel equals `jax.nn.dot_product_attention`, values and gradients."""
+"""The blockwise attention kernel equals `jax.nn.dot_product_attention`, values and gradients;
+the cuDNN path gets lengths that mean the padding mask."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from core.attention import attention
+from core.attention import attention, library_arguments
+from core.config import apply_overrides
+from core.errors import UserError
+from tasks.nlp.sentiment import tiny
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -30,3 +34,28 @@ def test_blockwise_matches_xla(causal, length):
     ):
         for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
             np.testing.assert_allclose(x, y, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_cudnn_arguments_are_lengths_that_mean_the_mask(causal):
+    # The cuDNN kernel only runs on NVIDIA GPUs; its arguments are built the same way everywhere.
+    # Lengths, not a dense mask (which JAX would turn into a bias that cuDNN rejects) ...
+    mask = jnp.asarray(np.arange(12)[None, :] < np.array([[12], [5]]))
+    arguments = library_arguments(mask, causal, "cudnn")
+    assert "mask" not in arguments and "bias" not in arguments
+    np.testing.assert_array_equal(arguments["key_value_seq_lengths"], [12, 5])
+    assert arguments["implementation"] == "cudnn" and arguments["is_causal"] == causal
+    # ... and the lengths say what the mask says: XLA given either gives the same real rows.
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 12, 2, 8), np.float32)) for _ in range(3))
+    with_lengths = jax.nn.dot_product_attention(q, k, v, **{**arguments, "implementation": "xla"})
+    with_mask = jax.nn.dot_product_attention(q, k, v, **library_arguments(mask, causal, "xla"))
+    real = np.asarray(mask)[:, :, None, None]
+    np.testing.assert_allclose(np.where(real, with_lengths, 0), np.where(real, with_mask, 0), atol=1e-5)
+
+
+def test_cudnn_needs_bfloat16_compute():
+    with pytest.raises(UserError, match="model.attention='cudnn' needs train.compute_dtype"):
+        apply_overrides(tiny(), ["model.attention=cudnn"])
+    config = apply_overrides(tiny(), ["model.attention=cudnn", "train.compute_dtype=bfloat16"])
+    assert config.model.attention == "cudnn"

@@ -1,7 +1,7 @@
 """The train step and the fit loop: learning, determinism, parallelism equivalences, resume."""
 
-import dataclasses
 import json
+import re
 from itertools import islice
 
 import jax
@@ -74,6 +74,49 @@ def test_switches_keep_the_same_step(fitted, overrides):
     assert_trees_close(params, params_other, 1e-5)
 
 
+def compiled_step(fitted, overrides):
+    """The train step of the tiny sentiment model, its state and one global batch."""
+    featurizer, arrays = fitted
+    config = apply_overrides(tiny(), overrides)
+    task = SentimentTask(config=config, data="synthetic")
+    compiled = make_steps(task, build_model(task, featurizer, config), config, 5)
+    batch = sharding.global_batch(compiled.mesh, next(train_batches(arrays, config.train.batch_size, 0)))
+    return compiled, batch
+
+
+def test_fsdp_shards_parameters_and_moments(fitted):
+    for fsdp, expected in ((1, set()), (2, {"fsdp"})):
+        compiled, _ = compiled_step(fitted, [f"train.fsdp={fsdp}"])
+        for part in ("params", "opt_state"):
+            axes = {axis for leaf in jax.tree.leaves(compiled.state[part]) for axis in leaf.sharding.spec if axis}
+            assert axes == expected, (fsdp, part, axes)
+        kernel = compiled.state["params"]["body"]["blocks"][0]["mlp"]["up"]["kernel"]
+        assert kernel.addressable_shards[0].data.size == kernel.size // fsdp
+
+
+def test_remat_puts_checkpoints_in_the_step(fitted):
+    counts = []
+    for remat in (False, True):
+        compiled, batch = compiled_step(fitted, [f"train.remat={remat}"])
+        jaxpr = str(jax.make_jaxpr(compiled.train_step)(compiled.state, batch))
+        counts.append(len(re.findall(r"\b(?:remat\d*|checkpoint)\[", jaxpr)))
+    # One rematerialized call per block (the tiny preset has one), none without the switch.
+    assert counts == [0, 1]
+
+
+def test_bfloat16_puts_bfloat16_matmuls_in_the_step(fitted):
+    # The program JAX hands XLA; XLA:CPU then computes bf16 dots in f32 (on GPUs they stay bf16).
+    operand_types = []
+    for dtype in ("float32", "bfloat16"):
+        compiled, batch = compiled_step(fitted, [f"train.compute_dtype={dtype}"])
+        program = compiled.train_step.lower(compiled.state, batch).as_text()
+        dots = re.findall(r"dot_general.*: \((tensor<[^)]*)\)", program)
+        operand_types.append({"bf16" in operands for operands in dots})
+    assert operand_types[0] == {False}
+    # Forward and backward: the body's projections, attention and the head take bf16 operands.
+    assert True in operand_types[1]
+
+
 def test_bfloat16_compute_tracks_float32(fitted):
     base, _ = train_losses(fitted, ["model.dropout=0.0"])
     half, _ = train_losses(fitted, ["model.dropout=0.0", "train.compute_dtype=bfloat16"])
@@ -100,7 +143,7 @@ def test_resume_equals_uninterrupted(tmp_path, monkeypatch):
         return original(self, *args)
 
     monkeypatch.setattr(SentimentTask, "score", interrupt)
-    with pytest.raises(UserError, match="Interrupted at step 8.*step 8|Interrupted at step 8"):
+    with pytest.raises(UserError, match="Interrupted at step 8. The checkpoint of step 4 .* is intact"):
         run.train(SentimentTask, workdir=tmp_path / "resumed", preset="tiny", overrides=options, data="synthetic")
     monkeypatch.setattr(SentimentTask, "score", original)
     run.train(SentimentTask, workdir=tmp_path / "resumed", preset="tiny", overrides=options, data="synthetic")
@@ -118,12 +161,3 @@ def test_resume_equals_uninterrupted(tmp_path, monkeypatch):
 def test_batch_size_must_split_over_devices(tmp_path):
     with pytest.raises(UserError, match="multiple of 8"):
         run.train(SentimentTask, workdir=tmp_path, preset="tiny", overrides=["train.batch_size=12"], data="synthetic")
-
-
-def test_every_preset_constructs(fitted):
-    featurizer, _ = fitted
-    for name, preset in SentimentTask.presets.items():
-        config = preset()
-        task = SentimentTask(config=config, data="synthetic")
-        model = build_model(task, dataclasses.replace(featurizer, max_len=config.model.max_len), config)
-        assert model.body.config == config.model, name
