@@ -65,7 +65,7 @@ def documents(split: str, data: str | None = None, text_column: str = "text") ->
         return shakespeare(split)
     if data == "synthetic":
         return synthetic(split)
-    return list(user_splits(data, text_column)[split])
+    return user_splits(data, text_column)[split]
 
 
 def shakespeare_dir() -> Path:
@@ -146,7 +146,8 @@ def synthetic(split: str) -> list[str]:
 
 def user_splits(spec: str, text_column: str = "text") -> dict[str, list[str]]:
     """All three splits of the user's corpus `spec` (a path or a hub name)."""
-    return _user_splits(spec, text_column, _stamp(Path(spec)))
+    splits = _user_splits(spec, text_column, _stamp(Path(spec)))
+    return {split: list(texts) for split, texts in splits.items()}
 
 
 def _stamp(path: Path) -> tuple | None:
