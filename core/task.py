@@ -29,7 +29,6 @@ from core.metrics import Streamed
 
 Batch = dict[str, Any]
 Example = dict[str, Any]
-BATCH_KEYS = ("inputs", "mask", "targets", "target_mask", "weights")
 
 
 class Featurizer(Protocol):

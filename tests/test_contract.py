@@ -1,5 +1,7 @@
 """The task contract, run against every registered task on its synthetic split."""
 
+from itertools import islice
+
 import jax
 import numpy as np
 import pytest
@@ -7,9 +9,9 @@ import pytest
 import tasks
 from core import data as data_lib
 from core import metrics as metric_lib
-from core.config import Config
-from core.task import BATCH_KEYS
-from core.train import build_model
+from core import sharding
+from core.config import Config, apply_overrides
+from core.train import build_model, make_steps
 
 NAMES = sorted(tasks.REGISTRY)
 
@@ -27,10 +29,29 @@ def test_class_attributes(setup):
     task_type, *_ = setup
     assert {"tiny", task_type.default_preset} <= set(task_type.presets)
     assert task_type.metric_names and task_type.summary and task_type.default_data
+    assert task_type.best_metric in task_type.metric_names and isinstance(task_type.lower_is_better, bool)
     for name, preset in task_type.presets.items():
         config = preset()
         assert isinstance(config, Config) and config.task == task_type.name and config.preset == name
         assert isinstance(config.data, task_type.data_type)
+
+
+def check_batch(arrays: dict) -> None:
+    """The documented keys of core/task.py, with their shapes and dtypes."""
+    assert {"inputs", "mask", "targets", "weights"} <= set(arrays)
+    rows = data_lib.size(arrays)
+    assert all(len(v) == rows for v in arrays.values())
+    mask = arrays["mask"]
+    assert mask.dtype == bool and mask.ndim == 2 and mask.any(1).all()
+    inputs = arrays["inputs"]
+    assert inputs.shape[:2] == mask.shape and inputs.ndim in (2, 3)
+    assert np.issubdtype(inputs.dtype, np.integer if inputs.ndim == 2 else np.floating)
+    targets = arrays["targets"]
+    assert np.issubdtype(targets.dtype, np.integer) and targets.shape in ((rows,), mask.shape)
+    if "target_mask" in arrays:
+        assert arrays["target_mask"].dtype == bool and arrays["target_mask"].shape == targets.shape
+    assert arrays["weights"].dtype == np.float32 and arrays["weights"].shape == (rows,)
+    assert set(np.unique(arrays["weights"])) <= {0.0, 1.0}
 
 
 def test_splits_and_batches(setup):
@@ -38,13 +59,22 @@ def test_splits_and_batches(setup):
     for split in ("train", "valid", "test"):
         examples = train if split == "train" else task.examples(split)
         assert examples, split
-        arrays = featurizer(examples)
-        assert {"inputs", "mask", "targets", "weights"} <= set(arrays)
-        assert set(arrays) >= set(k for k in BATCH_KEYS if k in arrays)
-        rows = data_lib.size(arrays)
-        assert all(len(v) == rows for v in arrays.values())
-        assert arrays["mask"].dtype == bool and arrays["mask"].any(1).all()
+        check_batch(featurizer(examples))
     assert {"dataset", "protocol"} <= set(task.protocol())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_trains_a_few_steps(setup, dtype):
+    task_type, _, train, featurizer = setup
+    config = apply_overrides(task_type.presets["tiny"](), [f"train.compute_dtype={dtype}"])
+    task = task_type(config=config, data="synthetic")
+    compiled = make_steps(task, build_model(task, featurizer, config), config, 3)
+    state, arrays = compiled.state, featurizer(train)
+    for step, local in enumerate(islice(data_lib.train_batches(arrays, 16, 0, augment=task.augment), 3)):
+        state, logs = compiled.train_step(state, sharding.global_batch(compiled.mesh, local))
+        assert np.isfinite(float(logs["loss"])) and np.isfinite(float(logs["grad_norm"])), (dtype, step)
+    for leaf in jax.tree.leaves(state["params"]):
+        assert leaf.dtype == np.float32  # bf16 is for compute; the parameters stay float32
 
 
 def test_forward_loss_metrics_decode_score(setup):
