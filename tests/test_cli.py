@@ -7,6 +7,8 @@ import pytest
 from typer.testing import CliRunner
 
 from cli import app
+from core import run
+from tasks.nlp.sentiment import SentimentTask
 
 FIXTURE = "tests/fixtures/reviews.csv"
 COLUMNS = ["--set", "data.text_column=review", "--set", "data.label_column=stars"]
@@ -47,7 +49,9 @@ def trained(tmp_path_factory):
         FIXTURE,
         *COLUMNS,
         "--set",
-        "train.steps=12",
+        "train.steps=40",
+        "--set",
+        "train.eval_every=20",
     )
     assert result.exit_code == 0, result.output
     return workdir
@@ -55,7 +59,7 @@ def trained(tmp_path_factory):
 
 def test_overrides_reach_the_saved_config(trained):
     config = json.loads((trained / "config.json").read_text())
-    assert config["train"]["steps"] == 12 and config["data"]["text_column"] == "review"
+    assert config["train"]["steps"] == 40 and config["data"]["text_column"] == "review"
 
 
 def test_eval_writes_metrics_protocol_and_baseline(trained):
@@ -67,11 +71,19 @@ def test_eval_writes_metrics_protocol_and_baseline(trained):
     assert "tfidf_logreg" in result.output
 
 
+def table_rows(output: str) -> list[list[str]]:
+    """The body rows of a rich table, as lists of cell texts."""
+    return [[cell.strip() for cell in line.strip("│ ").split("│")] for line in output.splitlines() if "│" in line]
+
+
 def test_predict_from_arguments_and_stdin(trained):
-    result = apps("predict", "sentiment", "--workdir", trained, "lovely soft perfect dress")
-    assert result.exit_code == 0 and re.search(r"(positive|negative)", result.output), result.output
-    result = apps("predict", "sentiment", "--workdir", trained, input="cheap scratchy top\nlovely fit\n")
-    assert result.exit_code == 0 and result.output.count("0.") >= 2, result.output
+    texts = ["lovely soft perfect dress", "cheap scratchy top", "lovely fit"]
+    expected = [[row["text"], row["label"], row["probability"]] for row in run.predict(SentimentTask, trained, texts)]
+    assert [row[1] for row in expected] == ["positive", "negative", "positive"]  # the fixture's cues, learned
+    result = apps("predict", "sentiment", "--workdir", trained, texts[0])
+    assert result.exit_code == 0 and table_rows(result.output) == expected[:1], result.output
+    result = apps("predict", "sentiment", "--workdir", trained, input="\n".join(texts[1:]) + "\n")
+    assert result.exit_code == 0 and table_rows(result.output) == expected[1:], result.output
 
 
 @pytest.mark.parametrize(
@@ -103,6 +115,43 @@ def test_bad_input_is_a_clear_error(args, message, tmp_path):
     result = apps(*args, "--workdir", tmp_path / "run")
     assert result.exit_code == 1 and message in plain(result.output), result.output
     assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("model.num_heads=3", "model.num_heads=3 must divide model.d_model=32"),
+        ("train.log_every=0", "train.log_every=0 must be positive"),
+        ("train.eval_every=0", "train.eval_every=0 must be positive"),
+        ("train.grad_accum=0", "train.grad_accum=0 must be positive"),
+        ("train.steps=-5", "train.steps=-5 must be positive"),
+        ("train.batch_size=12", "train.batch_size=12 must be a positive multiple of 8"),
+        ("model.dropout=1.0", "model.dropout=1.0 must be in [0, 1)"),
+        ("optim.learning_rate=1e999", "optim.learning_rate=inf must be a positive finite number"),
+        ("model.attention=cudnn", 'needs train.compute_dtype="bfloat16"'),
+    ],
+)
+def test_config_mistakes_are_named_before_any_work(override, message, tmp_path):
+    result = apps(
+        "train", "sentiment", "--preset", "tiny", "--data", "synthetic", "--set", override, "--workdir", tmp_path
+    )
+    assert result.exit_code == 1 and message in plain(result.output), result.output
+    assert "Traceback" not in result.output and not (tmp_path / "featurizer").exists()
+
+
+def test_data_and_workdir_mistakes(tmp_path):
+    one_class = tmp_path / "one.csv"
+    one_class.write_text("text,label\nlovely,5\ngreat,4\nperfect,5\n")
+    a_file = tmp_path / "taken"
+    a_file.write_text("not a folder")
+    cases = [
+        (["--data", one_class], "has one class only ('positive'"),
+        (["--data", tmp_path], f"--data {tmp_path} is a folder"),
+        (["--data", "synthetic", "--workdir", a_file], f"--workdir {a_file} is a file, not a folder"),
+    ]
+    for args, message in cases:
+        result = apps("train", "sentiment", "--preset", "tiny", *args)
+        assert result.exit_code == 1 and message in plain(result.output), result.output
 
 
 def test_eval_and_predict_without_a_run(tmp_path):

@@ -173,3 +173,13 @@ def test_variants_learn(tmp_path, overrides):
 def test_model_type_must_match_attention():
     with pytest.raises(UserError, match="bert4rec needs model.causal=False"):
         RecsysTask(config=apply_overrides(tiny(), ["data.model_type=bert4rec"]))
+
+
+def test_more_candidates_than_unseen_items_is_refused(tmp_path):
+    # The synthetic catalogue has 30 items: 1,000 unseen negatives per user cannot exist.
+    args = ["train", "recsys", "--preset", "tiny", "--data", "synthetic", "--workdir", str(tmp_path)]
+    args += ["--set", "data.ranking=sampled", "--set", "data.candidates=1000"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 1, result.output
+    assert "data.candidates=1000, but a user has only" in " ".join(result.output.split())
+    assert "lower data.candidates to at most" in " ".join(result.output.split())
