@@ -105,10 +105,12 @@ class Checkpoints:
         state = {"params": value["params"], **value["training"]}
         return Restored(state, restored.step, restored.source)
 
-    def restore_params(self, target: Any) -> Restored:
-        """The best parameters, or the latest if `best/` has none readable; shaped like `target`."""
+    def restore_params(self, target: Any, *, best: bool = True) -> Restored:
+        """The best parameters, or the latest if `best/` has none readable (or `best` is False);
+        shaped like `target`."""
         items = {"params": _abstract(target)}
-        for manager, source in ((self.best, "best"), (self.latest, "checkpoints")):
+        sources = ((self.best, "best"), (self.latest, "checkpoints")) if best else ((self.latest, "checkpoints"),)
+        for manager, source in sources:
             restored = self._newest(manager, source, items)
             if restored is not None:
                 return Restored(restored.value["params"], restored.step, source)

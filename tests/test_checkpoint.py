@@ -1,0 +1,148 @@
+"""Crash safety and what checkpoints hold: a killed run resumes from its last complete
+checkpoint and ends where an uninterrupted run ends; unreadable checkpoints are skipped with a
+warning, never loaded; `best/` and evaluation hold parameters only; throughput counts steps alone."""
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from core import run
+from core import train as train_lib
+from core.checkpoint import Checkpoints
+from tasks.nlp.sentiment import SentimentTask
+
+ROOT = Path(__file__).resolve().parents[1]
+OPTIONS = ["train.steps=12", "train.eval_every=4", "train.checkpoint_every=4", "train.log_every=2"]
+
+
+def train(workdir: Path, options=OPTIONS):
+    return run.train(SentimentTask, workdir=workdir, preset="tiny", overrides=options, data="synthetic")
+
+
+def latest_params(workdir: Path) -> list[np.ndarray]:
+    loaded = run.load(SentimentTask, workdir, data="synthetic")
+    checkpoints = Checkpoints(workdir, read_only=True)
+    try:
+        restored = checkpoints.restore_params(loaded.params, best=False)
+    finally:
+        checkpoints.close()
+    assert restored.where == "checkpoints/ step 12" or restored.step == 300
+    return [np.asarray(leaf) for leaf in jax.tree.leaves(restored.value)]
+
+
+def losses(workdir: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("straight") / "run"
+    train(workdir)
+    return workdir
+
+
+@pytest.fixture
+def apps_log(caplog):
+    # The CLI may have set the "apps" logger not to propagate; listen on it directly.
+    logger = logging.getLogger("apps")
+    logger.addHandler(caplog.handler)
+    yield caplog
+    logger.removeHandler(caplog.handler)
+
+
+def truncate(directory: Path) -> int:
+    files = [path for path in directory.rglob("*") if path.is_file()]
+    for path in files:
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    return len(files)
+
+
+def test_best_and_evaluation_hold_parameters_only(straight):
+    best_step = json.loads((straight / "best.json").read_text())["step"]
+    assert [p.name for p in (straight / "best" / str(best_step)).iterdir() if p.is_dir()] == ["params"]
+    assert {p.name for p in (straight / "checkpoints" / "12").iterdir() if p.is_dir()} == {"params", "training"}
+    loaded = run.load(SentimentTask, straight, data="synthetic")
+    assert set(loaded.steps.state) == {"params"} and loaded.steps.train_step is None
+    assert loaded.checkpoint == f"best/ step {best_step}"
+
+
+def test_truncated_latest_checkpoint_is_skipped_and_the_run_resumes(straight, tmp_path, apps_log):
+    workdir = tmp_path / "run"
+    train(workdir)
+    assert truncate(workdir / "checkpoints" / "12") > 0
+    train(workdir)  # same command again: step 12 is unreadable, so it resumes from step 8
+    assert "Skipped the checkpoint checkpoints/12" in apps_log.text
+    assert len(list((workdir / "corrupt").iterdir())) == 1  # set aside, not deleted
+    for ours, theirs in zip(latest_params(workdir), latest_params(straight)):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-7)
+
+
+def test_evaluation_falls_back_from_an_unreadable_best_and_says_so(tmp_path, apps_log):
+    workdir = tmp_path / "run"
+    train(workdir)
+    best_step = json.loads((workdir / "best.json").read_text())["step"]
+    truncate(workdir / "best" / str(best_step))
+    result = run.evaluate(SentimentTask, workdir, split="valid", data="synthetic", baselines=False)
+    assert result["checkpoint"] == "checkpoints/ step 12"
+    assert f"Skipped the checkpoint best/{best_step}" in apps_log.text
+    assert (workdir / "best" / str(best_step)).exists()  # evaluation never moves files
+
+
+def test_throughput_counts_steps_alone(tmp_path, monkeypatch):
+    # A clock that jumps 1,000 s during every checkpoint save: were saves counted, throughput
+    # would fall below 16 * 2 / 1000 examples/s in the windows that hold one.
+    offset = [0.0]
+    monkeypatch.setattr(train_lib.time, "perf_counter", lambda clock=time.perf_counter: clock() + offset[0])
+    save = Checkpoints.save
+
+    def slow_save(self, step, state):
+        offset[0] += 1000.0
+        save(self, step, state)
+
+    monkeypatch.setattr(Checkpoints, "save", slow_save)
+    train(tmp_path / "run", [*OPTIONS, "train.log_every=3"])
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rates = [r["examples_per_s"] for r in records if "loss" in r]
+    assert len(rates) == 4 and min(rates) > 1.0, rates
+
+
+def test_killed_run_resumes_from_its_last_complete_checkpoint(tmp_path):
+    options = ["train.steps=300", "train.checkpoint_every=50", "train.eval_every=50", "train.log_every=10"]
+    command = [sys.executable, "-m", "cli", "train", "sentiment", "--preset", "tiny", "--data", "synthetic"]
+    command += [arg for option in options for arg in ("--set", option)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+    def launch(workdir: Path) -> subprocess.Popen:
+        return subprocess.Popen(
+            [*command, "--workdir", str(workdir)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        )
+
+    killed = tmp_path / "killed"
+    process = launch(killed)
+    deadline = time.monotonic() + 120
+    while not (killed / "checkpoints" / "100").exists():
+        assert process.poll() is None and time.monotonic() < deadline, process.stdout.read().decode()[-2000:]
+        time.sleep(0.02)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    saved = sorted(int(p.name) for p in (killed / "checkpoints").iterdir() if p.name.isdigit())
+    assert 100 in saved and max(saved) < 300, saved
+
+    resumed = launch(killed)
+    output = resumed.communicate(timeout=300)[0].decode()
+    assert resumed.returncode == 0 and f"Resuming from checkpoints/ step {max(saved)}" in output, output[-2000:]
+    uninterrupted = launch(tmp_path / "straight")
+    assert uninterrupted.wait(timeout=300) == 0
+    assert losses(killed) == pytest.approx(losses(tmp_path / "straight"), rel=1e-6)
+    for ours, theirs in zip(latest_params(killed), latest_params(tmp_path / "straight")):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-7)
