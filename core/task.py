@@ -83,7 +83,8 @@ class Task(Protocol):
         """On-device metrics as (numerator, denominator) pairs."""
 
     def decode(self, outputs: Any, batch: Batch) -> dict[str, jax.Array]:
-        """Predictions per example, on device; one leading batch axis per array."""
+        """Predictions per batch row (an example, or for packing tasks such as lm a packed row),
+        on device; one leading batch axis per array."""
 
     def score(
         self, predictions: dict[str, np.ndarray], examples: Sequence[Example], featurizer: Featurizer
@@ -101,6 +102,9 @@ class Task(Protocol):
     # The `apps predict` options the task takes ("user", "history"); they reach `parse_inputs`
     # as "name=value" lines.
     predict_options: ClassVar[tuple[str, ...]] = ()
+    # True for tasks whose `apps predict` generates tokens (core.generate) instead of decoding
+    # one forward pass; their `render` then reads {"tokens": ...} per example.
+    generates: ClassVar[bool] = False
 
     def augment(self, batch: Batch, rng: np.random.Generator) -> Batch:
         """Applied to each global training batch with a generator seeded by (seed, step): random

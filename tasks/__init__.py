@@ -7,6 +7,7 @@ import importlib
 from core.errors import UserError
 
 REGISTRY = {
+    "lm": "tasks.nlp.lm:LMTask",
     "sentiment": "tasks.nlp.sentiment:SentimentTask",
     "recsys": "tasks.recsys.sequential:RecsysTask",
 }

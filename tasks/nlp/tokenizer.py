@@ -24,23 +24,43 @@ class Tokenizer:
         self.processor = spm.SentencePieceProcessor(model_proto=model_proto)
 
     @classmethod
-    def train(cls, texts: Iterable[str], vocab_size: int, model_type: str = "unigram") -> Tokenizer:
+    def train(
+        cls, texts: Iterable[str], vocab_size: int, model_type: str = "unigram", lossless: bool = False
+    ) -> Tokenizer:
+        """Trains on `texts`. `lossless` (for generation): decode(encode(text)) == text for any
+        text: no normalization, white space kept, newline a piece of its own, unknown characters
+        as bytes. Texts are then given to the trainer line by line (it skips very long lines)."""
         model = io.BytesIO()
-        spm.SentencePieceTrainer.train(
-            sentence_iterator=iter(texts),
-            model_writer=model,
-            vocab_size=vocab_size,
-            model_type=model_type,
-            pad_id=PAD,
-            unk_id=UNK,
-            bos_id=BOS,
-            eos_id=EOS,
-            character_coverage=1.0,
-            # A small corpus may not support the requested size; take what it supports.
-            hard_vocab_limit=False,
-            num_threads=2,
-            minloglevel=2,
-        )
+        options = {}
+        if lossless:
+            options = {
+                "normalization_rule_name": "identity",
+                "remove_extra_whitespaces": False,
+                "user_defined_symbols": ["\n"],
+                "byte_fallback": True,
+                "split_digits": True,
+            }
+            texts = (line for text in texts for line in text.split("\n") if line.strip())
+        try:
+            spm.SentencePieceTrainer.train(
+                **options,
+                sentence_iterator=iter(texts),
+                model_writer=model,
+                vocab_size=vocab_size,
+                model_type=model_type,
+                pad_id=PAD,
+                unk_id=UNK,
+                bos_id=BOS,
+                eos_id=EOS,
+                character_coverage=1.0,
+                # A small corpus may not support the requested size; take what it supports.
+                hard_vocab_limit=False,
+                num_threads=2,
+                minloglevel=2,
+            )
+        except RuntimeError as error:  # sentencepiece reports bad sizes and empty input this way
+            message = str(error).split("] ")[-1]
+            raise UserError(f"The tokenizer could not be trained with vocab_size={vocab_size}: {message}") from None
         return cls(model.getvalue())
 
     @classmethod

