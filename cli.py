@@ -80,13 +80,19 @@ def list_tasks() -> None:
     import tasks
 
     table = Table(title="Tasks")
+    options = Table(title="apps predict TASK options")
     for column in ("task", "what", "default data", "model", "metrics", "presets"):
         table.add_column(column)
+    for column in ("task", "option", "help"):
+        options.add_column(column)
     for name in sorted(tasks.REGISTRY):
         task = tasks.get(name)
         presets = ", ".join(f"{p}*" if p == task.default_preset else p for p in task.presets)
         table.add_row(name, task.summary, task.default_data, task.model_summary, ", ".join(task.metric_names), presets)
+        for option in task.predict_options:
+            options.add_row(name, f"{option.flag} {option.type.__name__.upper()}", option.help)
     _console().print(table)
+    _console().print(options)
 
 
 @app.command()
@@ -138,39 +144,54 @@ def evaluate(
     typer.echo(f"Wrote {workdir / f'eval_{split}.json'}.")
 
 
-@app.command()
+@app.command(context_settings={"ignore_unknown_options": True})
 @user_errors
 def predict(
     task: TaskArg,
     inputs: Annotated[
-        Optional[list[str]], typer.Argument(help="Inputs; read from stdin, one per line, when absent.")
+        Optional[list[str]],
+        typer.Argument(
+            help="Inputs, and the task's own options (`apps tasks` lists them: recsys --user, --history; "
+            "lm --max-new-tokens, --temperature, ...). Inputs are read from stdin, one per line, when none are given."
+        ),
     ] = None,
     workdir: WorkdirOpt = None,
-    user: Annotated[Optional[str], typer.Option(help="recsys: recommend for this user of the training log.")] = None,
-    history: Annotated[
-        Optional[str], typer.Option(help="recsys: recommend after these item ids, comma-separated.")
-    ] = None,
 ) -> None:
     """Predict with the best checkpoint of WORKDIR."""
     task_type = _task(task)
-    asked = {"user": user, "history": history}
-    given = [name for name, value in asked.items() if value is not None]
-    for name in given:
-        if name not in task_type.predict_options:
-            raise UserError(f"apps predict {task} does not take --{name}.")
-    lines = [f"{name}={asked[name]}" for name in given] or inputs or _stdin_lines()
+    lines, options = _split_options(inputs or [])
+    if not lines and sys.stdin is not None and not sys.stdin.isatty():
+        lines = _stdin_lines()
     _show_task_log()
     from rich.table import Table
 
     from core import run
 
-    rows = run.predict(task_type, workdir or Path("runs") / task, lines)
+    rows = run.predict(task_type, workdir or Path("runs") / task, lines, options)
     table = Table()
     for column in rows[0]:
         table.add_column(column)
     for row in rows:
         table.add_row(*row.values())
     _console().print(table)
+
+
+def _split_options(arguments: list[str]) -> tuple[list[str], dict[str, str]]:
+    """Positional inputs, and `--flag value` / `--flag=value` pairs for the task to read."""
+    lines, options, index = [], {}, 0
+    while index < len(arguments):
+        argument = arguments[index]
+        if argument.startswith("--") and len(argument) > 2:
+            flag, sep, value = argument.partition("=")
+            if not sep:
+                if index + 1 == len(arguments):
+                    raise UserError(f"{flag} needs a value.")
+                index, value = index + 1, arguments[index + 1]
+            options[flag] = value
+        else:
+            lines.append(argument)
+        index += 1
+    return lines, options
 
 
 @app.command()
@@ -224,8 +245,6 @@ class _StderrHandler(logging.Handler):
 
 
 def _stdin_lines() -> list[str]:
-    if sys.stdin is None or sys.stdin.isatty():
-        raise UserError("No inputs: pass them as arguments or pipe them in, one per line.")
     lines = []
     for number, raw in enumerate(sys.stdin.buffer.read().splitlines(), start=1):
         try:

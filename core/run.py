@@ -28,6 +28,7 @@ from core import report as report_lib
 from core.checkpoint import Checkpoints, write_json
 from core.config import Config, apply_overrides
 from core.errors import UserError
+from core.task import read_predict_options
 from core.train import Steps, build_model, evaluate_arrays, fit, make_steps
 
 
@@ -171,19 +172,19 @@ def evaluate(
     return result
 
 
-def predict(task_type: type, workdir: str | Path, lines: Sequence[str]) -> list[dict[str, str]]:
-    """One printable row per prediction for the input lines."""
-    return predict_loaded(load(task_type, workdir), lines)
+def predict(
+    task_type: type, workdir: str | Path, lines: Sequence[str], options: dict[str, str] | None = None
+) -> list[dict[str, str]]:
+    """One printable row per prediction for the input lines; `options` maps the task's
+    `apps predict` flags (`--max-new-tokens`) to their text."""
+    return predict_loaded(load(task_type, workdir), lines, options)
 
 
-def predict_loaded(loaded: Loaded, lines: Sequence[str]) -> list[dict[str, str]]:
+def predict_loaded(loaded: Loaded, lines: Sequence[str], options: dict[str, str] | None = None) -> list[dict[str, str]]:
     """`predict` on a run already loaded, for callers that predict many times."""
-    examples = loaded.task.parse_inputs(lines)
+    task = loaded.task
+    values = read_predict_options(task.predict_options, options or {}, task.name)
+    examples = task.parse_inputs(lines, values)
     arrays = loaded.featurizer(examples)
-    _, predictions = evaluate_arrays(loaded.steps, loaded.params, arrays, loaded.task.config.train.eval_batch_size)
-    return loaded.task.render(predictions, examples, loaded.featurizer)
-
-
-def report(workdir: str | Path) -> dict[str, Any]:
-    """The best step of the run in `workdir` with its validation metrics; draws `workdir/curves.png`."""
-    return report_lib.report(workdir)
+    _, predictions = evaluate_arrays(loaded.steps, loaded.params, arrays, task.config.train.eval_batch_size)
+    return task.render(predictions, examples, loaded.featurizer)

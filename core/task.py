@@ -17,6 +17,7 @@ Batches are dicts of arrays with a leading batch axis B:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
@@ -25,10 +26,42 @@ import numpy as np
 from flax import nnx
 
 from core.config import Config
+from core.errors import UserError
 from core.metrics import Streamed
 
 Batch = dict[str, Any]
 Example = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class PredictOption:
+    """One `apps predict` option of a task: `--max-new-tokens 50` for the name "max_new_tokens"."""
+
+    name: str
+    type: type  # int, float or str: how the value given on the command line is read
+    default: Any
+    help: str
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+def read_predict_options(declared: Sequence[PredictOption], given: dict[str, str], task: str) -> dict[str, Any]:
+    """Every declared option's value: the given text read with the option's type, else its default."""
+    by_flag = {option.flag: option for option in declared}
+    unknown = [flag for flag in given if flag not in by_flag]
+    if unknown:
+        valid = ", ".join(by_flag) or "none"
+        raise UserError(f"apps predict {task} does not take {', '.join(unknown)}; its options: {valid}.")
+    values = {option.name: option.default for option in declared}
+    for flag, text in given.items():
+        option = by_flag[flag]
+        try:
+            values[option.name] = option.type(text)
+        except ValueError:
+            raise UserError(f"{flag} {text!r}: expected {option.type.__name__}.") from None
+    return values
 
 
 class Featurizer(Protocol):
@@ -99,9 +132,9 @@ class Task(Protocol):
     def protocol(self) -> dict[str, str]:
         """{"dataset": ..., "protocol": ...}: what a reported number was measured on, and how."""
 
-    # The `apps predict` options the task takes ("user", "history"); they reach `parse_inputs`
-    # as "name=value" lines.
-    predict_options: ClassVar[tuple[str, ...]] = ()
+    # The `apps predict` options the task takes; their values reach `parse_inputs` (and, for a
+    # generating task, the generation settings) by name.
+    predict_options: ClassVar[tuple[PredictOption, ...]] = ()
     # True for tasks whose `apps predict` generates tokens (core.generate) instead of decoding
     # one forward pass; their `render` then reads {"tokens": ...} per example.
     generates: ClassVar[bool] = False
@@ -111,8 +144,8 @@ class Task(Protocol):
         masking, negative sampling. The default leaves the batch as it is."""
         return batch
 
-    def parse_inputs(self, lines: Sequence[str]) -> list[Example]:
-        """Examples from the lines a user gives `apps predict`."""
+    def parse_inputs(self, lines: Sequence[str], options: dict[str, Any]) -> list[Example]:
+        """Examples from the lines a user gives `apps predict` and the values of `predict_options`."""
 
     def render(
         self, predictions: dict[str, np.ndarray], examples: Sequence[Example], featurizer: Featurizer

@@ -207,7 +207,7 @@ class LMTask(Task):
             results[name] = _scores(-total, count, characters(test))
         return results
 
-    def parse_inputs(self, lines: Sequence[str]) -> list[dict]:
+    def parse_inputs(self, lines: Sequence[str], options: dict) -> list[dict]:
         prompts = [line for line in lines if line.strip()]
         if not prompts:
             raise UserError("apps predict lm needs at least one non-empty prompt (as arguments or on stdin).")

@@ -204,7 +204,7 @@ class SentimentTask(Task):
     ) -> dict[str, dict[str, float]]:
         return {"tfidf_logreg": tfidf_baseline(train, test, featurizer.classes)}
 
-    def parse_inputs(self, lines: Sequence[str]) -> list[dict]:
+    def parse_inputs(self, lines: Sequence[str], options: dict) -> list[dict]:
         texts = [line.strip() for line in lines if line.strip()]
         if not texts:
             raise UserError("apps predict sentiment needs at least one non-empty text (as arguments or on stdin).")

@@ -29,7 +29,7 @@ from core import metrics as metric_lib
 from core.config import Config, ModelConfig, OptimConfig, TrainConfig
 from core.errors import UserError
 from core.heads import Projection, TiedOutput, TokenEmbedder
-from core.task import Task
+from core.task import PredictOption, Task
 from tasks.recsys import data as rec_data
 
 PAD, MASK = 0, 1  # item i of the vocabulary has index i + 2
@@ -261,7 +261,10 @@ class RecsysTask(Task):
     presets: ClassVar[dict] = {"sasrec": sasrec, "bert4rec": bert4rec, "tiny": tiny}
     default_preset: ClassVar[str] = "sasrec"
     data_type: ClassVar[type] = RecsysData
-    predict_options: ClassVar[tuple[str, ...]] = ("user", "history")
+    predict_options: ClassVar[tuple[PredictOption, ...]] = (
+        PredictOption("user", str, None, "recommend for this user of the training log"),
+        PredictOption("history", str, None, "recommend after these item ids, comma-separated"),
+    )
 
     config: Config
     data: str | None = None
@@ -389,19 +392,17 @@ class RecsysTask(Task):
         scores = _mask_scores(scores, jbatch["seen"] if self.config.data.exclude_seen else None)
         return {"most_popular": metric_lib.finish(metric_lib.ranking(_ranks(scores, jbatch), jbatch["weights"], KS))}
 
-    def parse_inputs(self, lines: Sequence[str]) -> list[dict]:
-        examples = []
-        for line in lines:
-            kind, _, value = line.partition("=")
-            if kind == "history":
-                history = [i.strip() for i in value.split(",") if i.strip()]
-                if not history:
-                    raise UserError("--history is empty: give item ids separated by commas, e.g. --history 50,172,133.")
-                examples.append({"user": "(history)", "history": history, "target": None})
-            elif kind == "user":
-                examples.append({"user": value, "history": None, "target": None})
-            else:
-                raise UserError("apps predict recsys takes --user USER or --history ITEM,ITEM,...")
+    def parse_inputs(self, lines: Sequence[str], options: dict) -> list[dict]:
+        """--user USER, --history ITEM,ITEM,... or input lines that are histories."""
+        histories = list(lines) + ([options["history"]] if options["history"] is not None else [])
+        examples = [{"user": options["user"], "history": None, "target": None}] if options["user"] is not None else []
+        for text in histories:
+            history = [i.strip() for i in text.split(",") if i.strip()]
+            if not history:
+                raise UserError("A history is empty: give item ids separated by commas, e.g. --history 50,172,133.")
+            examples.append({"user": "(history)", "history": history, "target": None})
+        if not examples:
+            raise UserError("apps predict recsys takes --user USER, --history ITEM,ITEM,... or histories as inputs.")
         return examples
 
     def render(self, predictions, examples, featurizer: ItemFeaturizer) -> list[dict[str, str]]:
@@ -443,7 +444,7 @@ class Recommender:
         top_k = self.loaded.task.config.data.top_k
         if not 1 <= k <= top_k:
             raise UserError(f"k={k}: this run returns at most data.top_k={top_k} items.")
-        rows = self._run.predict_loaded(self.loaded, ["history=" + ",".join(map(str, history))])
+        rows = self._run.predict_loaded(self.loaded, [",".join(map(str, history))])
         return [{"item": r["item"], "title": r["title"], "score": float(r["score"])} for r in rows[:k]]
 
 
