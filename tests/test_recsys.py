@@ -135,7 +135,11 @@ def test_cli_round_trip(tmp_path):
     assert result.exit_code == 0, result.output
     recommendations = Recommender(workdir).recommend(["i3", "i4"], k=3)
     assert len(recommendations) == 3 and all(r["item"] not in ("i3", "i4") for r in recommendations)
-    for args, message in [(["--history", ","], "A history is empty"), (["--size", "3"], "does not take --size; its options: --user, --history"), (["--user", "ghost"], "Unknown user 'ghost'")]:
+    for args, message in [
+        (["--history", ","], "A history is empty"),
+        (["--size", "3"], "does not take --size; its options: --user, --history"),
+        (["--user", "ghost"], "Unknown user 'ghost'"),
+    ]:
         result = runner.invoke(app, ["predict", "recsys", "--workdir", str(workdir), *args])
         assert result.exit_code == 1 and message in result.output, result.output
 
