@@ -167,6 +167,12 @@ def predict(
 
     from core import run
 
+    if task_type.generates and len(lines) == 1:
+        # One prompt: its continuation streams to the terminal as the decode loop produces it.
+        typer.secho(lines[0], bold=True, nl=False)
+        run.predict(task_type, workdir or Path("runs") / task, lines, options, on_text=_write)
+        typer.echo()
+        return
     rows = run.predict(task_type, workdir or Path("runs") / task, lines, options)
     table = Table()
     for column in rows[0]:
@@ -174,6 +180,11 @@ def predict(
     for row in rows:
         table.add_row(*row.values())
     _console().print(table)
+
+
+def _write(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
 
 
 def _split_options(arguments: list[str]) -> tuple[list[str], dict[str, str]]:

@@ -13,12 +13,13 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import jax
+from flax import nnx
 from jax.experimental import multihost_utils
 from rich.console import Console
 
@@ -173,18 +174,32 @@ def evaluate(
 
 
 def predict(
-    task_type: type, workdir: str | Path, lines: Sequence[str], options: dict[str, str] | None = None
+    task_type: type,
+    workdir: str | Path,
+    lines: Sequence[str],
+    options: dict[str, str] | None = None,
+    on_text: Callable[[str], None] | None = None,
 ) -> list[dict[str, str]]:
     """One printable row per prediction for the input lines; `options` maps the task's
-    `apps predict` flags (`--max-new-tokens`) to their text."""
-    return predict_loaded(load(task_type, workdir), lines, options)
+    `apps predict` flags (`--max-new-tokens`) to their text; a generating task streams the first
+    input's new text to `on_text`."""
+    return predict_loaded(load(task_type, workdir), lines, options, on_text)
 
 
-def predict_loaded(loaded: Loaded, lines: Sequence[str], options: dict[str, str] | None = None) -> list[dict[str, str]]:
+def predict_loaded(
+    loaded: Loaded,
+    lines: Sequence[str],
+    options: dict[str, str] | None = None,
+    on_text: Callable[[str], None] | None = None,
+) -> list[dict[str, str]]:
     """`predict` on a run already loaded, for callers that predict many times."""
-    task = loaded.task
+    task, featurizer = loaded.task, loaded.featurizer
     values = read_predict_options(task.predict_options, options or {}, task.name)
     examples = task.parse_inputs(lines, values)
-    arrays = loaded.featurizer(examples)
-    _, predictions = evaluate_arrays(loaded.steps, loaded.params, arrays, task.config.train.eval_batch_size)
-    return task.render(predictions, examples, loaded.featurizer)
+    if task.generates:
+        model = nnx.merge(loaded.steps.graphdef, loaded.params)
+        predictions = task.generate(model, featurizer, examples, values, on_text)
+    else:
+        arrays = featurizer(examples)
+        _, predictions = evaluate_arrays(loaded.steps, loaded.params, arrays, task.config.train.eval_batch_size)
+    return task.render(predictions, examples, featurizer)

@@ -135,9 +135,22 @@ class Task(Protocol):
     # The `apps predict` options the task takes; their values reach `parse_inputs` (and, for a
     # generating task, the generation settings) by name.
     predict_options: ClassVar[tuple[PredictOption, ...]] = ()
-    # True for tasks whose `apps predict` generates tokens (core.generate) instead of decoding
-    # one forward pass; their `render` then reads {"tokens": ...} per example.
+    # True for tasks whose `apps predict` generates tokens (`generate`, through core.generate)
+    # instead of decoding one forward pass.
     generates: ClassVar[bool] = False
+
+    def generate(
+        self,
+        model: nnx.Module,
+        featurizer: Featurizer,
+        examples: Sequence[Example],
+        options: dict[str, Any],
+        on_text: Callable[[str], None] | None = None,
+    ) -> dict[str, Any]:
+        """For a generating task: predictions (as `render` reads them) for the examples, the
+        options being its `predict_options`' values; `on_text` receives the first example's new
+        text piece by piece as it is produced, for a terminal to stream."""
+        raise NotImplementedError(f"{self.name} does not generate.")
 
     def augment(self, batch: Batch, rng: np.random.Generator) -> Batch:
         """Applied to each global training batch with a generator seeded by (seed, step): random

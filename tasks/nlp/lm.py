@@ -33,7 +33,7 @@ from core import metrics as metric_lib
 from core.config import Config, ModelConfig, OptimConfig, TrainConfig
 from core.errors import UserError
 from core.heads import Projection, TiedOutput, TokenEmbedder
-from core.task import Task
+from core.task import PredictOption, Task
 from tasks.nlp import corpus
 from tasks.nlp.ngram import KneserNey, Unigram, bits_per_character
 from tasks.nlp.tokenizer import BOS, EOS, PAD, Tokenizer
@@ -134,6 +134,15 @@ class LMTask(Task):
     best_metric: ClassVar[str] = "bits_per_character"
     lower_is_better: ClassVar[bool] = True
     generates: ClassVar[bool] = True
+    predict_options: ClassVar[tuple[PredictOption, ...]] = (
+        PredictOption("max_new_tokens", int, 100, "pieces to generate at most (fewer if EOS comes)"),
+        PredictOption("temperature", float, 0.8, "softmax temperature; 0 is greedy"),
+        PredictOption("top_k", int, 0, "sample among the k most likely pieces only (0: all)"),
+        PredictOption("top_p", float, 1.0, "sample within the smallest set of pieces of this probability"),
+        PredictOption("beams", int, 1, "beam search with this many beams (> 1 ignores the sampling options)"),
+        PredictOption("length_penalty", float, 0.6, "beam search: GNMT length penalty exponent"),
+        PredictOption("seed", int, 0, "random seed of the sampling"),
+    )
     presets: ClassVar[dict] = {"tiny": tiny, "base": base}
     default_preset: ClassVar[str] = "base"
     data_type: ClassVar[type] = LMData
@@ -207,6 +216,31 @@ class LMTask(Task):
             results[name] = _scores(-total, count, characters(test))
         return results
 
+    def generate(self, model, featurizer: LMFeaturizer, examples, options: dict, on_text=None) -> dict:
+        """Continues each prompt ([BOS] + its pieces) until EOS or --max-new-tokens pieces."""
+        from core import generate as generation
+
+        prompts = [[BOS, *ids] for ids in featurizer.pieces(examples)]
+        settings = {"max_new_tokens": options["max_new_tokens"], "stop_tokens": (EOS,)}
+        if options["beams"] > 1:
+            beams = generation.generate_beams(
+                model, prompts, beam_size=options["beams"], length_penalty=options["length_penalty"], **settings
+            )
+            tokens, lengths = beams.tokens[:, 0], beams.lengths[:, 0]
+        else:
+            result = generation.generate(
+                model,
+                prompts,
+                temperature=options["temperature"],
+                top_k=options["top_k"] or None,
+                top_p=options["top_p"] if options["top_p"] < 1 else None,
+                seed=options["seed"],
+                on_tokens=None if on_text is None else _Stream(featurizer.tokenizer, on_text),
+                **settings,
+            )
+            tokens, lengths = result.tokens, result.lengths
+        return {"tokens": [row[:length][row[:length] != EOS] for row, length in zip(tokens, lengths)]}
+
     def parse_inputs(self, lines: Sequence[str], options: dict) -> list[dict]:
         prompts = [line for line in lines if line.strip()]
         if not prompts:
@@ -229,3 +263,20 @@ def _scores(nll: float, predictions: int, chars: int) -> dict[str, float]:
     """Loss, perplexity and bits per character from a summed negative log-likelihood in nats."""
     loss = nll / max(predictions, 1)
     return {"loss": loss, "perplexity": math.exp(loss), "bits_per_character": bits_per_character(-nll, chars)}
+
+
+class _Stream:
+    """Turns the first row's new tokens, as the decode loop produces them, into new text."""
+
+    def __init__(self, tokenizer: Tokenizer, on_text):
+        self.tokenizer, self.on_text, self.ids, self.text = tokenizer, on_text, [], ""
+
+    def __call__(self, tokens: np.ndarray, active: np.ndarray) -> None:
+        if not active[0] or int(tokens[0]) == EOS:
+            return
+        self.ids.append(int(tokens[0]))
+        text = self.tokenizer.decode(self.ids)
+        # A piece may end inside a character that byte fallback spells over several pieces.
+        if not text.endswith("\ufffd"):
+            self.on_text(text[len(self.text) :])
+            self.text = text

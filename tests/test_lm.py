@@ -1,0 +1,82 @@
+"""The lm task: packing predicts every piece and EOS exactly once, the n-gram baselines score the
+same predictions, bits per character by hand, generation through the CLI, and bad input."""
+
+import math
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from cli import app
+from tasks.nlp.lm import LMFeaturizer, LMTask, characters, tiny
+from tasks.nlp.tokenizer import BOS, EOS, PAD
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def task_and_featurizer():
+    task = LMTask(config=tiny(), data="synthetic")
+    return task, task.fit_featurizer(task.examples("train"))
+
+
+def test_packing_predicts_every_piece_and_end_once(task_and_featurizer):
+    _, featurizer = task_and_featurizer
+    examples = [{"text": "The cat sees the dog.\n"}, {"text": "A fox."}, {"text": "The birds chase the red fox again."}]
+    pieces = featurizer.pieces(examples)
+    arrays = LMFeaturizer(featurizer.tokenizer, max_len=8)(examples)
+    stream = [token for ids in pieces for token in (BOS, *ids, EOS)]
+    rows = math.ceil((len(stream) - 1) / 8)
+    assert arrays["inputs"].shape == (rows, 8)
+    # Inputs are the stream, targets the stream shifted by one, both padded at the end only.
+    np.testing.assert_array_equal(arrays["inputs"].reshape(-1)[: len(stream) - 1], stream[:-1])
+    np.testing.assert_array_equal(arrays["targets"].reshape(-1)[: len(stream) - 1], stream[1:])
+    assert (arrays["inputs"].reshape(-1)[len(stream) - 1 :] == PAD).all()
+    # Scored: every piece and every EOS, never the BOS that follows an EOS, never padding.
+    scored = arrays["targets"][arrays["target_mask"]]
+    assert len(scored) == sum(len(ids) + 1 for ids in pieces)
+    assert (scored == EOS).sum() == len(examples) and not (scored == BOS).any()
+    assert characters(examples) == sum(len(e["text"]) + 1 for e in examples)
+
+
+def test_baselines_score_the_same_predictions(task_and_featurizer):
+    task, featurizer = task_and_featurizer
+    train, test = task.examples("train"), task.examples("test")
+    results = task.baselines(train, test, featurizer)
+    predictions = int(featurizer(test)["target_mask"].sum())
+    for name, scores in results.items():
+        # bits per character and perplexity are two views of one summed log-likelihood.
+        nll_from_bits = scores["bits_per_character"] * math.log(2) * characters(test)
+        assert nll_from_bits / predictions == pytest.approx(scores["loss"], rel=1e-9), name
+        assert scores["perplexity"] == pytest.approx(math.exp(scores["loss"]), rel=1e-9)
+    # On text from a small grammar the 5-gram beats the unigram by far.
+    assert results["kneser_ney_5gram"]["bits_per_character"] < 0.6 * results["unigram"]["bits_per_character"]
+
+
+def test_score_by_hand(task_and_featurizer):
+    task, featurizer = task_and_featurizer
+    examples = [{"text": "abc"}, {"text": "de"}]  # 3 + 1 + 2 + 1 = 7 characters
+    predictions = {"nll": np.array([2.0, 5.0]), "predictions": np.array([3, 4])}
+    scores = task.score(predictions, examples, featurizer)
+    assert scores["loss"] == pytest.approx(1.0)
+    assert scores["perplexity"] == pytest.approx(math.e)
+    assert scores["bits_per_character"] == pytest.approx(7.0 / math.log(2) / 7)
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["train", "lm", "--data", "{folder}"], "no .txt files"),
+        (["train", "lm", "--data", "{empty}"], "the file is only whitespace"),
+        (["train", "lm", "--data", "{table}", "--set", "data.text_column=body"], "no column 'body'"),
+    ],
+)
+def test_bad_corpus_is_named(tmp_path, args, message):
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "empty.txt").write_text("  \n")
+    (tmp_path / "table.csv").write_text("text\nsome words\n")
+    paths = {"folder": tmp_path / "folder", "empty": tmp_path / "empty.txt", "table": tmp_path / "table.csv"}
+    args = [a.format(**paths) for a in args]
+    result = runner.invoke(app, [*args, "--preset", "tiny", "--workdir", str(tmp_path / "run")])
+    assert result.exit_code == 1 and message in " ".join(result.output.split()), result.output
+    assert "Traceback" not in result.output
