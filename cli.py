@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from core.errors import UserError
+from core.errors import LostPeer, UserError
 
 app = typer.Typer(
     help="JAX/Flax Transformer pipelines for real domain problems.",
@@ -60,6 +61,11 @@ def user_errors(command):
             return command(*args, **kwargs)
         except UserError as error:
             typer.secho(f"Error: {error}", fg=typer.colors.RED, err=True)
+            if isinstance(error, LostPeer):
+                # Skips JAX's exit handler, which would wait for the lost process and then abort.
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(1)
             raise typer.Exit(1) from None
 
     return wrapper

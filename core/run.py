@@ -11,6 +11,7 @@ print(run.report("runs/sentiment"))  # best step, its metrics, and runs/sentimen
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import time
 from collections.abc import Callable, Sequence
@@ -24,13 +25,15 @@ from jax.experimental import multihost_utils
 from rich.console import Console
 
 from core import data as data_lib
-from core import host
+from core import host, sharding
 from core import report as report_lib
 from core.checkpoint import Checkpoints, write_json
 from core.config import Config, apply_overrides
 from core.errors import UserError
 from core.task import read_predict_options
 from core.train import Steps, build_model, evaluate_arrays, fit, make_steps
+
+log = logging.getLogger("apps")
 
 
 def make_config(task_type: type, preset: str | None = None, overrides: Sequence[str] = ()) -> Config:
@@ -86,7 +89,9 @@ def train(
     task = task_type(config=config, data=data)
     started = time.perf_counter()
     train_examples = _examples(task, "train")
-    featurizer = _featurizer(task, train_examples, workdir)
+    # The featurizer's barrier is the first collective; `fit` names the checkpoint to resume from.
+    with sharding.lost_peers(lambda: f"Restart all {jax.process_count()} processes with the same command."):
+        featurizer = _featurizer(task, train_examples, workdir)
     if jax.process_index() == 0 and not config_path.exists():
         write_json(config_path, config.to_dict())
     valid_examples = _examples(task, "valid")
@@ -126,6 +131,7 @@ def _featurizer(task, train_examples: list[dict], workdir: Path):
         temporary.mkdir(parents=True)
         task.fit_featurizer(train_examples).save(temporary)
         temporary.rename(directory)
+        log.info("Fitted the featurizer on %d train examples and saved it in %s.", len(train_examples), directory)
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices("featurizer saved")
     return task.load_featurizer(directory)

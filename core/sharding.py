@@ -5,20 +5,39 @@ over every device; parameters are replicated, or with `train.fsdp > 1` each one 
 its largest axis that the fsdp size divides. `jax.jit` then inserts the collectives: this is
 what `pmap` became (since JAX 0.8 `jax.pmap` is in maintenance mode, since 0.10 a wrapper around
 `jax.jit(jax.shard_map)`).
+
+In a multi-process run on CPUs, a collective whose peer process died fails at once on the local
+device that talks to the peer (gloo sees the connection closed); `lost_peers` turns that error
+into a `LostPeer` message. Another local device of the same process can be waiting for the
+failed one in the same collective, for XLA's fixed 30-minute collective timeout, so `wait`
+watches every local device. Where no error reaches Python (all local devices wait on live
+processes that gave up, or orbax waits at a coordination service barrier), the coordination
+service ends the process after `HEARTBEAT_TIMEOUT_S` with a fatal log saying that another task
+died; Python cannot catch it (a callback in its place crashes jaxlib 0.10). When process 0, which
+hosts the service, dies, the others may get that fatal log at once instead of the message.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import time
+from collections.abc import Callable, Iterator
 
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from core.errors import UserError
+from core.errors import LostPeer, UserError
 
 BATCH_AXES = ("data", "fsdp")
+# Words of the errors that a lost process causes: a failed gloo collective, or a coordination
+# service barrier (orbax waits at some) that failed on the lost process's heartbeat timeout.
+PEER_FAILURE_WORDS = ("gloo", "heartbeat timeout")
+# Seconds without heartbeats after which the coordination service declares a process dead and
+# aborts the others (JAX's default is 100 s).
+HEARTBEAT_TIMEOUT_S = 30
 
 
 def make_mesh(fsdp: int = 1, devices: list | None = None) -> Mesh:
@@ -81,4 +100,47 @@ def initialize_distributed(coordinator: str | None, num_processes: int | None, p
     if not 0 <= process_id < num_processes:
         raise UserError(f"--process-id {process_id} must be in [0, {num_processes}).")
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator, num_processes, process_id, initialization_timeout=120)
+    jax.distributed.initialize(
+        coordinator,
+        num_processes,
+        process_id,
+        initialization_timeout=120,
+        heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S,
+    )
+
+
+def wait(tree) -> None:
+    """`jax.block_until_ready(tree)` that raises the first failure of any local device at once,
+    rather than waiting on a device that waits in turn for a failed one (see above)."""
+    if jax.process_count() == 1:
+        jax.block_until_ready(tree)
+        return
+    pending = [shard.data for leaf in jax.tree.leaves(tree) for shard in leaf.addressable_shards]
+    while True:
+        for array in pending:
+            if array.is_ready():
+                array.block_until_ready()  # raises the error of a failed computation
+        pending = [array for array in pending if not array.is_ready()]
+        if not pending:
+            return
+        time.sleep(0.002)
+
+
+@contextlib.contextmanager
+def lost_peers(advice: Callable[[], str]) -> Iterator[None]:
+    """Turns the error of a collective that lost a peer process into a `LostPeer` ending in `advice()`.
+
+    Only in a multi-process run: elsewhere, and for other runtime errors, the error is raised as is.
+    """
+    try:
+        yield
+    # A failed execution raises a JaxRuntimeError; one that fails while it is dispatched (seen
+    # in orbax's barrier before a save) raises a ValueError.
+    except (jax.errors.JaxRuntimeError, ValueError) as error:
+        detail = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        if jax.process_count() == 1 or not any(word in detail.lower() for word in PEER_FAILURE_WORDS):
+            raise
+        raise LostPeer(
+            f"Process {jax.process_index()} of {jax.process_count()} lost contact with another process of the run, "
+            f"which stopped or became unreachable ({detail[:300]}). {advice()}"
+        ) from None

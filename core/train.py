@@ -212,7 +212,7 @@ def fit(
     batches = data_lib.train_batches(train_arrays, train.batch_size, train.seed, start, task.augment)
     batches = data_lib.prefetch(batches, place)
     valid_metrics: dict[str, float] = {}
-    saved = start
+    saved = start if restored is not None else None  # the step of the newest checkpoint in `workdir`
     progress = Progress(
         TextColumn("[bold]train"),
         BarColumn(),
@@ -224,8 +224,18 @@ def fit(
         transient=False,
     )
     step = start
+
+    def resume_advice() -> str:
+        again = "run the same command again"
+        if jax.process_count() > 1:
+            again = f"restart all {jax.process_count()} processes with the same command"
+        if saved is None:
+            return f"No checkpoint was saved in {workdir} yet; {again} to start over."
+        return f"The checkpoint of step {saved} in {workdir} is intact; {again} to resume from it."
+
     try:
-        with progress:
+        # Every step, validation and save runs collectives: a lost process fails whichever comes next.
+        with sharding.lost_peers(resume_advice), progress:
             bar = progress.add_task("train", total=train.steps, completed=start, info="")
             # Throughput counts the steps alone: validation and checkpoint time is `paused`.
             window_start, paused, window_losses = time.perf_counter(), 0.0, []
@@ -234,6 +244,7 @@ def fit(
                 step += 1
                 window_losses.append(logs["loss"])
                 if step % train.log_every == 0 or step == train.steps:
+                    sharding.wait(window_losses)
                     losses = np.asarray(jax.device_get(window_losses))
                     if not np.all(np.isfinite(losses)):
                         raise UserError(f"The loss became {losses[-1]} at step {step}; lower optim.learning_rate.")
@@ -259,7 +270,7 @@ def fit(
                 save_now = step % train.checkpoint_every == 0 or step == train.steps
                 if not (evaluate_now or save_now):
                     continue
-                jax.block_until_ready(state)  # the steps so far belong to the current window
+                sharding.wait(state)  # the steps so far belong to the current window
                 pause_start = time.perf_counter()
                 if evaluate_now:
                     valid_metrics = validate(state["params"])
@@ -278,10 +289,7 @@ def fit(
                     saved = step
                 paused += time.perf_counter() - pause_start
     except KeyboardInterrupt:
-        raise UserError(
-            f"Interrupted at step {step}. The checkpoint of step {saved} in {workdir} is intact; "
-            "run the same command again to resume from it."
-        ) from None
+        raise UserError(f"Interrupted at step {step}. {resume_advice()}") from None
     finally:
         checkpoints.close()
     return valid_metrics
