@@ -145,7 +145,7 @@ blockwise_attention.defvjp(_forward, _backward)
 
 def cached_attention(q, keys, values, positions):
     """New queries q [B, T, N, H] at `positions` [B, T] against a whole cache keys, values
-    [B, S, K, H], where slot s holds position s: each query sees the slots at or before its own
+    [B, K, S, H], where slot s holds position s: each query sees the slots at or before its own
     position. Slots past a row's length hold stale or zero keys and stay out of sight, so that
     rows of different lengths share one fixed-shape program. -> [B, T, N, H].
 
@@ -153,10 +153,10 @@ def cached_attention(q, keys, values, positions):
     cache, the work is reading the cache once, which no flash kernel shortens.
     """
     B, T, N, H = q.shape
-    K = keys.shape[2]
+    K = keys.shape[1]
     grouped = q.reshape(B, T, K, N // K, H)
-    scores = jnp.einsum("BTKGH,BSKH->BKGTS", grouped, keys, preferred_element_type=jnp.float32) * H**-0.5
-    visible = jnp.arange(keys.shape[1])[None, None, :] <= positions[:, :, None]  # [B, T, S]
+    scores = jnp.einsum("BTKGH,BKSH->BKGTS", grouped, keys, preferred_element_type=jnp.float32) * H**-0.5
+    visible = jnp.arange(keys.shape[2])[None, None, :] <= positions[:, :, None]  # [B, T, S]
     scores = jnp.where(visible[:, None, None], scores, MASKED)
     probabilities = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
-    return jnp.einsum("BKGTS,BSKH->BTKGH", probabilities, values).reshape(B, T, N, H)
+    return jnp.einsum("BKGTS,BKSH->BTKGH", probabilities, values).reshape(B, T, N, H)
