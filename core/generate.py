@@ -47,7 +47,7 @@ logger = logging.getLogger("apps")
 class Sampling:
     """How `sample` picks tokens: temperature 0 is greedy (argmax); else softmax(logits / T),
     restricted to the `top_k` most likely tokens and then to the smallest set of them whose
-    probability reaches `top_p` (None: no restriction)."""
+    probability reaches `top_p` (None: no restriction; greedy ignores both)."""
 
     max_new_tokens: int
     temperature: float = 0.0
@@ -143,7 +143,10 @@ def prefill(model: Model, tokens: jax.Array, lengths: jax.Array, max_len: int) -
 
 
 def extend(model: Model, cache: Cache, tokens: jax.Array) -> tuple[jax.Array, Cache]:
-    """The decode step of a decoder-only model: one token per row [B] after its cached ones."""
+    """The decode step of a decoder-only model: one token per row [B] after its cached ones.
+
+    Pure: jit it with the cache donated (`donate_argnums`) and XLA writes the new keys in place.
+    """
     hidden, cache = model.body.extend(model.embedder(tokens[:, None]), cache)
     return _logits(model, hidden), cache
 
@@ -205,7 +208,7 @@ def generate(
         stop_tokens=tuple(int(t) for t in stop_tokens),
     )
     tokens, lengths = prepare_prompts(model, prompts, max_new_tokens)
-    key = jax.random.key(seed) if isinstance(seed, int) else seed
+    key = jax.random.key(seed) if isinstance(seed, (int, np.integer)) else seed
     graphdef, params = nnx.split(model)
     new, counts = _sample_program(graphdef, sampling, on_tokens, use_cache, params, tokens, lengths, key)
     return Generation(np.asarray(new), np.asarray(counts))
