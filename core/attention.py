@@ -143,20 +143,28 @@ def _backward(causal, residuals, grad_out):
 blockwise_attention.defvjp(_forward, _backward)
 
 
-def cached_attention(q, keys, values, positions):
-    """New queries q [B, T, N, H] at `positions` [B, T] against a whole cache keys, values
-    [B, K, S, H], where slot s holds position s: each query sees the slots at or before its own
-    position. Slots past a row's length hold stale or zero keys and stay out of sight, so that
-    rows of different lengths share one fixed-shape program. -> [B, T, N, H].
+def cached_attention(q, k, v, cached_keys, cached_values, lengths):
+    """New queries q [B, T, N, H], with their own keys and values k, v [B, T, K, H], that follow
+    the `lengths` [B] positions each row holds in a cache of keys [B, K, S, H] and values
+    [B, K, H, S]: each query sees the row's cached slots below its length and the new keys up
+    to its own. Slots past a row's length (stale, or zeros) stay out of sight, so that rows of
+    different lengths share one fixed-shape program. -> [B, T, N, H].
 
     One grouped softmax whatever the configured implementation: with a few queries against the
-    cache, the work is reading the cache once, which no flash kernel shortens.
+    cache, the work is reading the cache once, which no flash kernel shortens. U indexes the new
+    keys, S the cache slots.
     """
     B, T, N, H = q.shape
-    K = keys.shape[1]
+    K, S = k.shape[2], cached_keys.shape[2]
     grouped = q.reshape(B, T, K, N // K, H)
-    scores = jnp.einsum("BTKGH,BKSH->BKGTS", grouped, keys, preferred_element_type=jnp.float32) * H**-0.5
-    visible = jnp.arange(keys.shape[2])[None, None, :] <= positions[:, :, None]  # [B, T, S]
+    old = jnp.einsum("BTKGH,BKSH->BKGTS", grouped, cached_keys, preferred_element_type=jnp.float32)
+    new = jnp.einsum("BTKGH,BUKH->BKGTU", grouped, k, preferred_element_type=jnp.float32)
+    scores = jnp.concatenate([old, new], axis=-1) * H**-0.5  # [B, K, G, T, S + U]
+    cached = jnp.broadcast_to((jnp.arange(S)[None, :] < lengths[:, None])[:, None, :], (B, T, S))
+    causal = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool))[None], (B, T, T))
+    visible = jnp.concatenate([cached, causal], axis=-1)  # [B, T, S + U]
     scores = jnp.where(visible[:, None, None], scores, MASKED)
-    probabilities = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
-    return jnp.einsum("BKGTS,BKSH->BTKGH", probabilities, values).reshape(B, T, N, H)
+    probabilities = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    y = jnp.einsum("BKGTS,BKHS->BTKGH", probabilities[..., :S], cached_values)
+    y = y + jnp.einsum("BKGTU,BUKH->BTKGH", probabilities[..., S:], v)
+    return y.reshape(B, T, N, H)

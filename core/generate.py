@@ -42,6 +42,12 @@ OnTokens = Callable[[np.ndarray, np.ndarray], None]
 
 logger = logging.getLogger("apps")
 
+# XLA:CPU's default copy insertion copies a loop-carried buffer that the loop body both reads
+# and updates in place: every layer's cache, twice per token. Its region analysis sees that the
+# reads come first and copies nothing (GPT-2 small, batch 1: 26 -> 22 ms per token). Other
+# backends ignore the option.
+COMPILER_OPTIONS = {"xla_cpu_copy_insertion_use_region_analysis": True}
+
 
 @dataclass(frozen=True, kw_only=True)
 class Sampling:
@@ -214,7 +220,7 @@ def generate(
     return Generation(np.asarray(new), np.asarray(counts))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), compiler_options=COMPILER_OPTIONS)
 def _sample_program(graphdef, sampling, on_tokens, use_cache, params, tokens, lengths, key):
     model = nnx.merge(graphdef, params)
     start, step = (prefill, extend) if use_cache else (prefill_buffer, recompute)
@@ -241,7 +247,7 @@ def generate_beams(
     return Beams(*(np.asarray(x) for x in _beam_program(graphdef, settings, params, tokens, lengths)))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
+@functools.partial(jax.jit, static_argnums=(0, 1), compiler_options=COMPILER_OPTIONS)
 def _beam_program(graphdef, settings, params, tokens, lengths):
     beam_size, max_new_tokens, stop_tokens, length_penalty = settings
     model = nnx.merge(graphdef, params)

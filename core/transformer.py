@@ -103,15 +103,33 @@ class Dense(nnx.Module):
 
 
 class KeyValues(NamedTuple):
-    """One layer's cache: keys (after rotary) and values [B, K, S, H]; slot s holds position s.
+    """One layer's cache: keys (after rotary) [B, K, S, H] and values [B, K, H, S]; slot s holds
+    position s.
 
-    Heads before slots, so that each decode step's attention reads the cache as it lies: laid
-    out [B, S, K, H], XLA copies it into this order for the matmuls at every step and layer,
-    which halved decoding speed at batch 8.
+    Laid out so that a decode step's attention reads the cache as it lies, as two matrix-vector
+    products per head that each run along rows of memory: with [B, S, K, H] XLA copied both
+    into these orders at every step and layer, which halved decoding speed at batch 8.
     """
 
     keys: jax.Array
     values: jax.Array
+
+
+def write(cache: KeyValues, k: jax.Array, v: jax.Array, positions: jax.Array | None) -> KeyValues:
+    """`cache` with keys and values k, v [B, T, K, H] in the slots of their `positions` [B, T]
+    (None: the first T slots, as a prefill writes them)."""
+    keys, values = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 3, 1)  # [B, K, T, H], [B, K, H, T]
+    if positions is None:
+        return KeyValues(
+            jax.lax.dynamic_update_slice(cache.keys, keys.astype(cache.keys.dtype), (0, 0, 0, 0)),
+            jax.lax.dynamic_update_slice(cache.values, values.astype(cache.values.dtype), (0, 0, 0, 0)),
+        )
+    # Each row writes at its own positions: a scatter, in place inside a loop or a donated step.
+    rows = jnp.arange(k.shape[0])[:, None]
+    return KeyValues(
+        cache.keys.at[rows, :, positions].set(k.astype(cache.keys.dtype)),
+        cache.values.at[rows, :, :, positions].set(v.astype(cache.values.dtype)),
+    )
 
 
 class Cache(NamedTuple):
@@ -137,8 +155,9 @@ class Attention(nnx.Module):
 
         Without a cache, or in a prefill (positions 0..T-1, right-padded `mask`), the chunk
         attends within itself; a prefill also stores its keys in the cache's first T slots. Else
-        the chunk follows the cached keys: its keys go into the slots of their positions and its
-        queries attend to the whole cache.
+        the chunk follows the cached keys: its queries attend to them and to its own keys, which
+        then go into the slots of their positions, so that a step reads the cache before it
+        updates it in place.
         """
         c = self.config
         B, T, _ = x.shape
@@ -148,21 +167,10 @@ class Attention(nnx.Module):
             q, k = rotary(q, positions), rotary(k, positions)
         if cache is None or prefill:
             y = attention(q, k, v, mask, causal=c.causal, implementation=c.attention)
-            if cache is not None:
-                start = (0, 0, 0, 0)
-                k, v = (x.transpose(0, 2, 1, 3) for x in (k, v))  # [B, K, T, H]
-                cache = KeyValues(
-                    jax.lax.dynamic_update_slice(cache.keys, k.astype(cache.keys.dtype), start),
-                    jax.lax.dynamic_update_slice(cache.values, v.astype(cache.values.dtype), start),
-                )
         else:
-            # Each row writes at its own positions: a scatter, in place inside a loop or a donated step.
-            rows = jnp.arange(B)[:, None]
-            cache = KeyValues(
-                cache.keys.at[rows, :, positions].set(k.astype(cache.keys.dtype)),
-                cache.values.at[rows, :, positions].set(v.astype(cache.values.dtype)),
-            )
-            y = cached_attention(q, cache.keys, cache.values, positions)
+            y = cached_attention(q, k, v, cache.keys, cache.values, positions[:, 0])
+        if cache is not None:
+            cache = write(cache, k, v, None if prefill else positions)
         return self.out(y.reshape(B, T, -1)), cache
 
 
@@ -223,8 +231,11 @@ class Transformer(nnx.Module):
     def init_cache(self, batch_size: int, max_len: int, dtype=jnp.float32) -> Cache:
         """An empty cache of `max_len` positions per row."""
         c = self.config
-        shape = (batch_size, c.key_value_heads, max_len, c.head_dim)
-        layers = tuple(KeyValues(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in self.blocks)
+        keys, values = (
+            (batch_size, c.key_value_heads, max_len, c.head_dim),
+            (batch_size, c.key_value_heads, c.head_dim, max_len),
+        )
+        layers = tuple(KeyValues(jnp.zeros(keys, dtype), jnp.zeros(values, dtype)) for _ in self.blocks)
         return Cache(layers, jnp.zeros((batch_size,), jnp.int32))
 
     def prefill(self, x: jax.Array, mask: jax.Array, cache: Cache) -> tuple[jax.Array, Cache]:
