@@ -235,14 +235,27 @@ def report(
 @user_errors
 def bench(
     configs: Annotated[
-        Optional[list[str]], typer.Argument(help="Benchmark configs: small, big (default both).")
+        Optional[list[str]],
+        typer.Argument(
+            help="Train step configs: small, big (default both); decode: greedy generation on the small "
+            "and GPT-2-sized decoders (decode-small, decode-gpt2: one of them)."
+        ),
     ] = None,
-    steps: Annotated[int, typer.Option(help="Timed steps per config, after warm-up.")] = 10,
+    steps: Annotated[int, typer.Option(help="Timed train steps per config, after warm-up.")] = 10,
+    json_path: Annotated[
+        Optional[Path], typer.Option("--json", help="Also write the figures to this JSON file.")
+    ] = None,
 ) -> None:
-    """Time the core's jitted train step (tokens/s, step time, compile time, MFU)."""
+    """Time the core's jitted train step (tokens/s, step time, compile time, MFU) or decoding (new tokens/s)."""
+    import json
+
     from core import bench as bench_lib
 
-    bench_lib.main(configs or list(bench_lib.CONFIGS), steps, _console())
+    results = bench_lib.main(configs or list(bench_lib.CONFIGS), steps, _console())
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(results, indent=2) + "\n")
+        typer.echo(f"Wrote {json_path}.")
 
 
 def _show_task_log() -> None:

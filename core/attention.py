@@ -12,7 +12,13 @@
   causal layer's forward and backward in half the time of the XLA path;
 - "auto": blockwise on CPU, xla elsewhere.
 
-Shapes: q, k, v [B, T, N, H]; mask [B, T] true at real keys; output [B, T, N, H].
+Shapes: q [B, T, N, H]; k, v [B, T, K, H] with K key/value heads, each shared by G = N / K query
+heads (grouped-query attention; K = N is plain multi-head attention); mask [B, T] true at real
+keys; output [B, T, N, H]. The blockwise kernel stacks the G query heads of each key head as
+rows of one [B, K, G * T, H] operand instead of repeating the keys G times; with G = 1 that is
+the plain multi-head program, unchanged. XLA's kernel groups the heads natively.
+
+`cached_attention` serves decoding: a few new queries per row against a key/value cache.
 """
 
 from __future__ import annotations
@@ -58,13 +64,15 @@ def _blocks(length: int, causal: bool) -> list[tuple[int, int]]:
     return [(start, min(start + size, length)) for start in range(0, length, size)]
 
 
-def _probabilities(q, k, mask, start: int, causal: bool):
-    """Softmax over keys [0, S) for queries [start, start + Tq): [B, N, Tq, S] in float32."""
-    scores = jnp.einsum("BNTH,BNSH->BNTS", q, k, preferred_element_type=jnp.float32) * q.shape[-1] ** -0.5
+def _probabilities(q, k, mask, start: int, stop: int, causal: bool):
+    """Softmax over keys [0, S) of q [B, K, G * Tq, H], the queries at positions [start, stop) of
+    the G heads that share each key head, stacked: [B, K, G * Tq, S] in float32."""
+    scores = jnp.einsum("BKTH,BKSH->BKTS", q, k, preferred_element_type=jnp.float32) * q.shape[-1] ** -0.5
     visible = mask[:, None, None, : k.shape[2]]
     if causal:
-        rows = jnp.arange(q.shape[2])[:, None] + start
-        visible = visible & (rows >= jnp.arange(k.shape[2])[None, :])[None, None]
+        rows = jnp.arange(stop - start)[:, None] + start >= jnp.arange(k.shape[2])[None, :]  # [Tq, S]
+        groups = q.shape[2] // (stop - start)
+        visible = visible & jnp.tile(rows, (groups, 1))[None, None]
     scores = jnp.where(visible, scores, MASKED)
     scores = jnp.exp(scores - scores.max(-1, keepdims=True))
     return scores / scores.sum(-1, keepdims=True)
@@ -75,6 +83,18 @@ def _heads_first(*arrays):
     return [x.transpose(0, 2, 1, 3) for x in arrays]
 
 
+def _stacked(block, key_value_heads: int):
+    """Query heads [B, N, Tq, H] -> [B, K, G * Tq, H]: the G heads of each key head as rows."""
+    B, N, T, H = block.shape
+    return block.reshape(B, key_value_heads, N // key_value_heads * T, H)
+
+
+def _unstacked(block, query_heads: int):
+    """[B, K, G * Tq, H] -> [B, N, Tq, H], undoing `_stacked`."""
+    B, K, rows, H = block.shape
+    return block.reshape(B, query_heads, rows * K // query_heads, H)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def blockwise_attention(q, k, v, mask, causal: bool):
     return _forward(q, k, v, mask, causal)[0]
@@ -82,12 +102,14 @@ def blockwise_attention(q, k, v, mask, causal: bool):
 
 def _forward(q, k, v, mask, causal):
     qt, kt, vt = _heads_first(q, k, v)
+    heads = kt.shape[1]
     outputs, probabilities = [], []
     for start, stop in _blocks(q.shape[1], causal):
         keys = stop if causal else k.shape[1]
-        p = _probabilities(qt[:, :, start:stop], kt[:, :, :keys], mask, start, causal)
+        p = _probabilities(_stacked(qt[:, :, start:stop], heads), kt[:, :, :keys], mask, start, stop, causal)
         probabilities.append(p)
-        outputs.append(jnp.einsum("BNTS,BNSH->BNTH", p.astype(v.dtype), vt[:, :, :keys]))
+        block = jnp.einsum("BKTS,BKSH->BKTH", p.astype(v.dtype), vt[:, :, :keys])
+        outputs.append(_unstacked(block, qt.shape[1]))
     output = jnp.concatenate(outputs, axis=2).transpose(0, 2, 1, 3)
     return output, (qt, kt, vt, mask, probabilities)
 
@@ -95,20 +117,23 @@ def _forward(q, k, v, mask, causal):
 def _backward(causal, residuals, grad_out):
     qt, kt, vt, mask, probabilities = residuals
     (gt,) = _heads_first(grad_out)
+    heads = kt.shape[1]
     scale = qt.shape[-1] ** -0.5
     grad_q, grad_k, grad_v = [], jnp.zeros(kt.shape, jnp.float32), jnp.zeros(vt.shape, jnp.float32)
     for (start, stop), p in zip(_blocks(qt.shape[2], causal), probabilities):
         keys = stop if causal else kt.shape[2]
-        g = gt[:, :, start:stop]
+        g = _stacked(gt[:, :, start:stop], heads)
+        # Contracting over the stacked rows sums the gradients of the G heads that share a key.
         grad_v = grad_v.at[:, :, :keys].add(
-            jnp.einsum("BNTS,BNTH->BNSH", p.astype(g.dtype), g, preferred_element_type=jnp.float32)
+            jnp.einsum("BKTS,BKTH->BKSH", p.astype(g.dtype), g, preferred_element_type=jnp.float32)
         )
-        grad_p = jnp.einsum("BNTH,BNSH->BNTS", g, vt[:, :, :keys], preferred_element_type=jnp.float32)
+        grad_p = jnp.einsum("BKTH,BKSH->BKTS", g, vt[:, :, :keys], preferred_element_type=jnp.float32)
         # Softmax backward: dS = P * (dP - rowsum(dP * P)), folded with the 1/sqrt(H) scale.
         grad_s = (p * (grad_p - (grad_p * p).sum(-1, keepdims=True)) * scale).astype(qt.dtype)
-        grad_q.append(jnp.einsum("BNTS,BNSH->BNTH", grad_s, kt[:, :, :keys]))
+        grad_q.append(_unstacked(jnp.einsum("BKTS,BKSH->BKTH", grad_s, kt[:, :, :keys]), qt.shape[1]))
+        queries = _stacked(qt[:, :, start:stop], heads)
         grad_k = grad_k.at[:, :, :keys].add(
-            jnp.einsum("BNTS,BNTH->BNSH", grad_s, qt[:, :, start:stop], preferred_element_type=jnp.float32)
+            jnp.einsum("BKTS,BKTH->BKSH", grad_s, queries, preferred_element_type=jnp.float32)
         )
     grad_q = jnp.concatenate(grad_q, axis=2)
     grad_q, grad_k, grad_v = _heads_first(grad_q, grad_k.astype(kt.dtype), grad_v.astype(vt.dtype))
@@ -116,3 +141,30 @@ def _backward(causal, residuals, grad_out):
 
 
 blockwise_attention.defvjp(_forward, _backward)
+
+
+def cached_attention(q, k, v, cached_keys, cached_values, lengths):
+    """New queries q [B, T, N, H], with their own keys and values k, v [B, T, K, H], that follow
+    the `lengths` [B] positions each row holds in a cache of keys [B, K, S, H] and values
+    [B, K, H, S]: each query sees the row's cached slots below its length and the new keys up
+    to its own. Slots past a row's length (stale, or zeros) stay out of sight, so that rows of
+    different lengths share one fixed-shape program. -> [B, T, N, H].
+
+    One grouped softmax whatever the configured implementation: with a few queries against the
+    cache, the work is reading the cache once, which no flash kernel shortens. U indexes the new
+    keys, S the cache slots.
+    """
+    B, T, N, H = q.shape
+    K, S = k.shape[2], cached_keys.shape[2]
+    grouped = q.reshape(B, T, K, N // K, H)
+    old = jnp.einsum("BTKGH,BKSH->BKGTS", grouped, cached_keys, preferred_element_type=jnp.float32)
+    new = jnp.einsum("BTKGH,BUKH->BKGTU", grouped, k, preferred_element_type=jnp.float32)
+    scores = jnp.concatenate([old, new], axis=-1) * H**-0.5  # [B, K, G, T, S + U]
+    cached = jnp.broadcast_to((jnp.arange(S)[None, :] < lengths[:, None])[:, None, :], (B, T, S))
+    causal = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool))[None], (B, T, T))
+    visible = jnp.concatenate([cached, causal], axis=-1)  # [B, T, S + U]
+    scores = jnp.where(visible[:, None, None], scores, MASKED)
+    probabilities = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    y = jnp.einsum("BKGTS,BKHS->BTKGH", probabilities[..., :S], cached_values)
+    y = y + jnp.einsum("BKGTU,BUKH->BTKGH", probabilities[..., S:], v)
+    return y.reshape(B, T, N, H)

@@ -1,6 +1,12 @@
-"""Speed of the shared core's jitted train step on a GPT-style decoder (`apps bench`).
+"""Speed of the shared core on a GPT-style decoder (`apps bench`): the train step, and decoding.
 
-For each config the step is compiled, warmed up, then timed over `steps` steps. Reported:
+Decoding (`apps bench decode`) times `core.generate.generate` on random weights: greedy, a
+64-token prompt, 128 new tokens, batch 1 and 8, with the KV cache and without it (the full
+forward pass over the growing sequence at every token, still one compiled loop). New tokens per
+second count the whole call, prefill included, after a warm-up call that compiles; the best of
+the timed calls is reported, as for the train step, with their median beside it.
+
+For each train config the step is compiled, warmed up, then timed over `steps` steps. Reported:
 tokens/s, step time, compile time and model FLOPs utilisation
 
     MFU = (6 N + 12 L d T) FLOPs/token x tokens/s / peak,
@@ -25,12 +31,14 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from rich.console import Console
 from rich.table import Table
 
 from core import losses
 from core.config import Config, ModelConfig, OptimConfig, TrainConfig
 from core.errors import UserError
+from core.generate import generate
 from core.heads import TiedOutput, TokenEmbedder
 from core.train import build_model, make_steps
 
@@ -76,8 +84,34 @@ class CausalLM:
         return {}
 
 
-def run_config(bench: BenchConfig, steps: int) -> dict[str, float]:
-    config = Config(
+# Decoding: the train benchmark's small decoder, and one of GPT-2 small's shape (124M parameters).
+DECODE_MODELS = {"small": CONFIGS["small"], "gpt2": BenchConfig(50257, 768, 12, 12, 3072, 1024, 1)}
+PROMPT_TOKENS, NEW_TOKENS = 64, 128
+
+
+@dataclass(frozen=True)
+class DecodeRun:
+    model: str
+    batch_size: int
+    use_cache: bool
+    calls: int = 3
+
+
+DECODE_RUNS = (
+    DecodeRun("small", 1, True),
+    DecodeRun("small", 8, True),
+    DecodeRun("small", 1, False),
+    DecodeRun("small", 8, False),
+    DecodeRun("gpt2", 1, True),
+    DecodeRun("gpt2", 8, True),
+    # Without a cache GPT-2 recomputes about 6 TFLOP per call at batch 1: one timed call.
+    DecodeRun("gpt2", 1, False, calls=1),
+)
+
+
+def bench_config(bench: BenchConfig, steps: int) -> Config:
+    """The causal decoder of `bench` (learned positions, no dropout) in a run config."""
+    return Config(
         task="bench",
         preset="bench",
         model=ModelConfig(
@@ -92,6 +126,10 @@ def run_config(bench: BenchConfig, steps: int) -> dict[str, float]:
         optim=OptimConfig(warmup_steps=1),
         train=TrainConfig(batch_size=bench.batch_size, steps=steps + 2),
     )
+
+
+def run_config(bench: BenchConfig, steps: int) -> dict[str, float]:
+    config = bench_config(bench, steps)
     task = CausalLM(config=config, vocab_size=bench.vocab_size)
     model = build_model(task, None, config)
     compiled = make_steps(task, model, config, config.train.steps)
@@ -166,10 +204,72 @@ class MatmulPeak:
         self.best = max(self.best, count * self.flops / (now - started))
 
 
-def main(names: list[str], steps: int, console: Console) -> list[dict]:
-    unknown = [n for n in names if n not in CONFIGS]
+def run_decode(run: DecodeRun) -> dict[str, float]:
+    """Greedy generation on random weights: new tokens per second over whole calls."""
+    bench = DECODE_MODELS[run.model]
+    config = bench_config(bench, 1)
+    model = build_model(CausalLM(config=config, vocab_size=bench.vocab_size), None, config)
+    prompts = np.random.default_rng(0).integers(0, bench.vocab_size, (run.batch_size, PROMPT_TOKENS))
+
+    def call() -> tuple[float, int]:
+        started = time.perf_counter()
+        result = generate(model, prompts, max_new_tokens=NEW_TOKENS, use_cache=run.use_cache)
+        return time.perf_counter() - started, int(result.lengths.sum())
+
+    first, _ = call()
+    times, counts = zip(*(call() for _ in range(run.calls)))
+    return {
+        "params": sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))),
+        "new_tokens": counts[0],
+        "new_tokens_per_s": counts[0] / min(times),
+        "median_new_tokens_per_s": counts[0] / float(np.median(times)),
+        "call_s": min(times),
+        "compile_s": first - min(times),
+    }
+
+
+def main(names: list[str], steps: int, console: Console) -> dict[str, list[dict]]:
+    """Runs the named benchmarks: train configs (small, big), "decode" (every decode run) or
+    "decode-MODEL" (that model's decode runs); -> {"train": [...], "decode": [...]}."""
+    decode_names = ["decode", *(f"decode-{m}" for m in DECODE_MODELS)]
+    unknown = [n for n in names if n not in CONFIGS and n not in decode_names]
     if unknown:
-        raise UserError(f"Unknown benchmark config {unknown}; choose from {', '.join(CONFIGS)}.")
+        raise UserError(f"Unknown benchmark {unknown}; choose from {', '.join([*CONFIGS, *decode_names])}.")
+    train = [n for n in names if n in CONFIGS]
+    runs = [r for r in DECODE_RUNS if "decode" in names or f"decode-{r.model}" in names]
+    return {"train": train_table(train, steps, console) if train else [], "decode": decode_table(runs, console)}
+
+
+def decode_table(runs: list[DecodeRun], console: Console) -> list[dict]:
+    if not runs:
+        return []
+    table = Table(
+        title=f"greedy decoding (f32), {PROMPT_TOKENS}-token prompts, {NEW_TOKENS} new tokens, "
+        f"on {jax.devices()[0].device_kind}",
+        caption="new tok/s: new tokens over the whole call, prefill included, best of the timed calls "
+        "(median beside it); no cache: the full forward pass again at every token. Times in s.",
+    )
+    for column in ("model", "params", "batch", "cache", "new tok/s", "median", "call", "compile"):
+        table.add_column(column, justify="right")
+    results = []
+    for run in runs:
+        result = run_decode(run)
+        results.append({**dataclasses.asdict(run), **result})
+        table.add_row(
+            run.model,
+            f"{result['params'] / 1e6:.1f}M",
+            str(run.batch_size),
+            "on" if run.use_cache else "off",
+            f"{result['new_tokens_per_s']:,.0f}",
+            f"{result['median_new_tokens_per_s']:,.0f}",
+            f"{result['call_s']:.2f}",
+            f"{result['compile_s']:.1f}",
+        )
+    console.print(table)
+    return results
+
+
+def train_table(names: list[str], steps: int, console: Console) -> list[dict]:
     device = jax.devices()[0].device_kind
     table = Table(
         title=f"core train step (f32, AdamW) on {device} x{jax.device_count()}",

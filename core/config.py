@@ -27,6 +27,9 @@ class ModelConfig:
     d_model: int = 256
     num_layers: int = 4
     num_heads: int = 4
+    # Grouped-query attention: key/value heads, each shared by num_heads // num_kv_heads query
+    # heads (None: one per query head, plain multi-head attention; 1: multi-query attention).
+    num_kv_heads: int | None = None
     mlp_dim: int = 1024
     dropout: float = 0.1
     norm: Literal["layernorm", "rmsnorm"] = "layernorm"
@@ -47,6 +50,13 @@ class ModelConfig:
             self.num_heads,
             f"must divide model.d_model={self.d_model}",
         )
+        if self.num_kv_heads is not None:
+            require(
+                self.num_kv_heads > 0 and self.num_heads % self.num_kv_heads == 0,
+                "model.num_kv_heads",
+                self.num_kv_heads,
+                f"must be positive and divide model.num_heads={self.num_heads}",
+            )
         if self.positions == "rotary":
             head_dim = self.d_model // self.num_heads
             require(
@@ -56,6 +66,15 @@ class ModelConfig:
                 f"gives heads of odd size {head_dim}; rotary positions need an even size",
             )
         require(0 <= self.dropout < 1, "model.dropout", self.dropout, "must be in [0, 1)")
+
+    @property
+    def key_value_heads(self) -> int:
+        """Key/value heads: `num_kv_heads`, or `num_heads` when that is None."""
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.num_heads
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,5 +1,5 @@
-"""The blockwise attention kernel equals `jax.nn.dot_product_attention`, values and gradients;
-the cuDNN path gets lengths that mean the padding mask."""
+"""The blockwise attention kernel equals `jax.nn.dot_product_attention`, values and gradients,
+with grouped-query heads too; the cuDNN path gets lengths that mean the padding mask."""
 
 import jax
 import jax.numpy as jnp
@@ -14,9 +14,11 @@ from tasks.nlp.sentiment import tiny
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("length", [40, 96, 300])
-def test_blockwise_matches_xla(causal, length):
+@pytest.mark.parametrize("heads,key_value_heads", [(3, 3), (6, 2), (4, 1)])
+def test_blockwise_matches_xla(causal, length, heads, key_value_heads):
     rng = np.random.default_rng(length)
-    q, k, v, cotangent = (jnp.asarray(rng.standard_normal((2, length, 3, 8), np.float32)) for _ in range(4))
+    q, cotangent = (jnp.asarray(rng.standard_normal((2, length, heads, 8), np.float32)) for _ in range(2))
+    k, v = (jnp.asarray(rng.standard_normal((2, length, key_value_heads, 8), np.float32)) for _ in range(2))
     # The second sequence is padded after 70% of its length.
     mask = jnp.asarray(np.arange(length)[None, :] < np.array([[length], [int(length * 0.7)]]))
 

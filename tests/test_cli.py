@@ -30,6 +30,12 @@ def test_help_lists_commands():
         assert command in result.output
 
 
+def test_bench_names_its_benchmarks():
+    result = apps("bench", "nonsense")
+    assert result.exit_code == 1
+    assert "choose from small, big, decode, decode-small, decode-gpt2" in plain(result.output)
+
+
 def test_tasks_table():
     result = apps("tasks")
     assert result.exit_code == 0 and "sentiment" in result.output and "macro_f1" in result.output

@@ -1,0 +1,305 @@
+"""Generation from a causal language model: a decoding engine kept apart from the model.
+
+The engine runs against a small decode-step interface, so that a later encoder-decoder reuses it:
+
+    step(state, tokens [B]) -> (logits [B, V] for the next token, state)
+
+where `state` is any pytree whose every leaf has the batch as its leading axis (a key/value
+`Cache`, encoder outputs, ...). `sample` and `beam_search` (core/beam.py) take such a step, the
+state after the prompt and the logits for the first new token, and decode in ONE
+`jax.lax.while_loop`: no Python dispatch per token, the cache updated in place.
+
+For a decoder-only `Model` (an embedder of token ids, a causal body, a head giving logits or a
+`Projection`), `generate` and `generate_beams` do the rest in one compiled call: right-pad
+prompts of different lengths, prefill the preallocated cache with the training kernel, then
+decode, each row at its own positions. `use_cache=False` recomputes the full forward over the
+sequence so far at every token instead (a baseline for `apps bench decode`).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.experimental import io_callback
+
+from core.beam import Beams, beam_search
+from core.errors import UserError
+from core.heads import Projection
+from core.transformer import Cache, Model
+
+State = Any
+Step = Callable[[State, jax.Array], tuple[jax.Array, State]]
+# Streaming: called on the host with each step's tokens [B] and which rows are still producing.
+OnTokens = Callable[[np.ndarray, np.ndarray], None]
+
+logger = logging.getLogger("apps")
+
+# XLA:CPU's default copy insertion copies a loop-carried buffer that the loop body both reads
+# and updates in place: every layer's cache, twice per token. Its region analysis sees that the
+# reads come first and copies nothing (GPT-2 small, batch 1: 26 -> 22 ms per token). Other
+# backends ignore the option.
+COMPILER_OPTIONS = {"xla_cpu_copy_insertion_use_region_analysis": True}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sampling:
+    """How `sample` picks tokens: temperature 0 is greedy (argmax); else softmax(logits / T),
+    restricted to the `top_k` most likely tokens and then to the smallest set of them whose
+    probability reaches `top_p` (None: no restriction; greedy ignores both)."""
+
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    stop_tokens: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise UserError(f"max_new_tokens={self.max_new_tokens} must be at least 1.")
+        if self.temperature < 0:
+            raise UserError(f"temperature={self.temperature} must be >= 0 (0 is greedy).")
+        if self.top_k is not None and self.top_k < 1:
+            raise UserError(f"top_k={self.top_k} must be at least 1.")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise UserError(f"top_p={self.top_p} must be in (0, 1].")
+
+
+class Generation(NamedTuple):
+    """New tokens [B, max_new_tokens] (0 past each row's length) and lengths [B], which count a
+    row's stop token when it produced one."""
+
+    tokens: np.ndarray
+    lengths: np.ndarray
+
+
+def filter_logits(logits: jax.Array, top_k: int | None, top_p: float | None) -> jax.Array:
+    """logits [B, V] with -inf outside the top-k tokens and then outside the nucleus: the most
+    likely tokens whose probabilities, in decreasing order, first sum to at least `top_p`. Tokens
+    tied with the least likely kept one are kept too."""
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if top_p is not None and top_p < 1:
+        ordered = jnp.sort(logits, axis=-1)[:, ::-1]
+        probabilities = jax.nn.softmax(ordered, axis=-1)
+        # A token is kept while the mass of the more likely ones is still short of top_p.
+        before = jnp.cumsum(probabilities, axis=-1) - probabilities
+        threshold = jnp.min(jnp.where(before < top_p, ordered, jnp.inf), axis=-1, keepdims=True)
+        logits = jnp.where(logits < threshold, -jnp.inf, logits)
+    return logits
+
+
+def choose(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
+    """The next token of each row [B] from logits [B, V]."""
+    if sampling.temperature == 0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = filter_logits(logits / sampling.temperature, sampling.top_k, sampling.top_p)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def sample(
+    step: Step, state: State, logits: jax.Array, key: jax.Array, sampling: Sampling, on_tokens: OnTokens | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """Decodes up to `max_new_tokens` per row from `logits` [B, V] for the first new token, in one
+    while loop that ends when every row has produced a stop token. -> tokens [B, M], lengths [B]
+    (see `Generation`)."""
+    M = sampling.max_new_tokens
+    stops = jnp.asarray(sampling.stop_tokens, jnp.int32)
+    B = logits.shape[0]
+
+    def pick(index, logits, tokens, lengths, done):
+        token = jnp.where(done, 0, choose(logits, jax.random.fold_in(key, index), sampling))
+        if on_tokens is not None:
+            io_callback(on_tokens, None, token, ~done, ordered=True)
+        tokens = jax.lax.dynamic_update_slice(tokens, token[:, None], (0, index))
+        lengths = lengths + (~done).astype(jnp.int32)
+        done = done | jnp.isin(token, stops)
+        return token, tokens, lengths, done
+
+    def body(carry):
+        index, token, tokens, lengths, done, state = carry
+        logits, state = step(state, token)
+        return index + 1, *pick(index, logits, tokens, lengths, done), state
+
+    def running(carry):
+        index, done = carry[0], carry[4]
+        return (index < M) & ~jnp.all(done)
+
+    start = pick(0, logits, jnp.zeros((B, M), jnp.int32), jnp.zeros((B,), jnp.int32), jnp.zeros((B,), bool))
+    _, _, tokens, lengths, _, _ = jax.lax.while_loop(running, body, (jnp.int32(1), *start, state))
+    return tokens, lengths
+
+
+def prefill(model: Model, tokens: jax.Array, lengths: jax.Array, max_len: int) -> tuple[jax.Array, Cache]:
+    """Right-padded prompts `tokens` [B, T] of `lengths` [B] through the model, into a new cache
+    of `max_len` positions: -> (logits [B, V] for each row's next token, the cache)."""
+    B, T = tokens.shape
+    x = model.embedder(tokens)
+    mask = jnp.arange(T)[None, :] < lengths[:, None]
+    hidden, cache = model.body.prefill(x, mask, model.body.init_cache(B, max_len, x.dtype))
+    return _logits(model, _last(hidden, lengths)), cache
+
+
+def extend(model: Model, cache: Cache, tokens: jax.Array) -> tuple[jax.Array, Cache]:
+    """The decode step of a decoder-only model: one token per row [B] after its cached ones.
+
+    Pure: jit it with the cache donated (`donate_argnums`) and XLA writes the new keys in place.
+    """
+    hidden, cache = model.body.extend(model.embedder(tokens[:, None]), cache)
+    return _logits(model, hidden), cache
+
+
+def prefill_buffer(model: Model, tokens: jax.Array, lengths: jax.Array, max_len: int) -> tuple[jax.Array, State]:
+    """`prefill` without a cache: the state is a token buffer [B, max_len] and the lengths."""
+    buffer = jnp.zeros((tokens.shape[0], max_len), jnp.int32).at[:, : tokens.shape[1]].set(tokens)
+    return _forward(model, buffer, lengths), (buffer, lengths)
+
+
+def recompute(model: Model, state: State, tokens: jax.Array) -> tuple[jax.Array, State]:
+    """`extend` without a cache: writes the tokens into the buffer and runs the full forward
+    pass over all of it again."""
+    buffer, lengths = state
+    buffer = buffer.at[jnp.arange(buffer.shape[0]), lengths].set(tokens)
+    return _forward(model, buffer, lengths + 1), (buffer, lengths + 1)
+
+
+def _forward(model: Model, buffer: jax.Array, lengths: jax.Array) -> jax.Array:
+    mask = jnp.arange(buffer.shape[1])[None, :] < lengths[:, None]
+    return _logits(model, _last(model.body(model.embedder(buffer), mask), lengths))
+
+
+def _last(hidden: jax.Array, lengths: jax.Array) -> jax.Array:
+    """Each row's hidden state at its last real position: [B, T, D] -> [B, 1, D]."""
+    return jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)
+
+
+def _logits(model: Model, hidden: jax.Array) -> jax.Array:
+    """The head at one position per row: hidden [B, 1, D] -> logits [B, V] in float32."""
+    outputs = model.head(hidden, jnp.ones(hidden.shape[:2], bool))
+    if isinstance(outputs, Projection):
+        outputs = outputs.logits()
+    return outputs[:, 0].astype(jnp.float32)
+
+
+def generate(
+    model: Model,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    stop_tokens: Sequence[int] = (),
+    seed: int | jax.Array = 0,
+    on_tokens: OnTokens | None = None,
+    use_cache: bool = True,
+) -> Generation:
+    """Continues each prompt (a sequence of token ids; lengths may differ) by up to
+    `max_new_tokens`; see `Sampling` for the choice of tokens. A row stops after its first stop
+    token. `seed` is an int or a `jax.random` key. `on_tokens(tokens [B], active [B])` streams
+    each step's tokens to the host as they come. Compiled once per shape and settings."""
+    sampling = Sampling(
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        stop_tokens=tuple(int(t) for t in stop_tokens),
+    )
+    tokens, lengths = prepare_prompts(model, prompts, max_new_tokens)
+    key = jax.random.key(seed) if isinstance(seed, (int, np.integer)) else seed
+    graphdef, params = nnx.split(model)
+    new, counts = _sample_program(graphdef, sampling, on_tokens, use_cache, params, tokens, lengths, key)
+    return Generation(np.asarray(new), np.asarray(counts))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), compiler_options=COMPILER_OPTIONS)
+def _sample_program(graphdef, sampling, on_tokens, use_cache, params, tokens, lengths, key):
+    model = nnx.merge(graphdef, params)
+    start, step = (prefill, extend) if use_cache else (prefill_buffer, recompute)
+    logits, state = start(model, tokens, lengths, tokens.shape[1] + sampling.max_new_tokens)
+    return sample(functools.partial(step, model), state, logits, key, sampling, on_tokens)
+
+
+def generate_beams(
+    model: Model,
+    prompts: Sequence[Sequence[int]],
+    *,
+    beam_size: int,
+    max_new_tokens: int,
+    stop_tokens: Sequence[int] = (),
+    length_penalty: float = 0.6,
+) -> Beams:
+    """Beam search continuations of each prompt (see `core.beam.beam_search`): -> `Beams` with
+    tokens [B, W, max_new_tokens], lengths [B, W] and scores [B, W], best first, as numpy."""
+    if beam_size < 1:
+        raise UserError(f"beam_size={beam_size} must be at least 1.")
+    tokens, lengths = prepare_prompts(model, prompts, max_new_tokens)
+    graphdef, params = nnx.split(model)
+    settings = (beam_size, max_new_tokens, tuple(int(t) for t in stop_tokens), float(length_penalty))
+    return Beams(*(np.asarray(x) for x in _beam_program(graphdef, settings, params, tokens, lengths)))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), compiler_options=COMPILER_OPTIONS)
+def _beam_program(graphdef, settings, params, tokens, lengths):
+    beam_size, max_new_tokens, stop_tokens, length_penalty = settings
+    model = nnx.merge(graphdef, params)
+    logits, cache = prefill(model, tokens, lengths, tokens.shape[1] + max_new_tokens)
+    return beam_search(
+        functools.partial(extend, model),
+        cache,
+        logits,
+        beam_size=beam_size,
+        max_new_tokens=max_new_tokens,
+        stop_tokens=stop_tokens,
+        length_penalty=length_penalty,
+    )
+
+
+def prepare_prompts(
+    model: Model, prompts: Sequence[Sequence[int]], max_new_tokens: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Right-padded prompt tokens [B, T] and their lengths [B], checked against the model.
+
+    With learned positions a row holds at most `max_len` tokens: prompts longer than
+    max_len - max_new_tokens keep their last tokens (with a warning on the "apps" logger), and
+    `max_new_tokens` must leave room for at least one prompt token.
+    """
+    config = model.body.config
+    if not config.causal:
+        raise UserError("Generation needs a causal body (model.causal=True).")
+    if max_new_tokens < 1:
+        raise UserError(f"max_new_tokens={max_new_tokens} must be at least 1.")
+    rows = [np.asarray(p, np.int32).reshape(-1) for p in prompts]
+    if not rows or any(len(r) == 0 for r in rows):
+        raise UserError("Every prompt needs at least one token (a beginning-of-sequence token will do).")
+    if config.positions == "learned":
+        room = config.max_len - max_new_tokens
+        if room < 1:
+            raise UserError(
+                f"max_new_tokens={max_new_tokens} leaves no room for a prompt in model.max_len={config.max_len} "
+                "positions; ask for fewer new tokens."
+            )
+        for index, row in enumerate(rows):
+            if len(row) > room:
+                logger.warning(
+                    "Prompt %d has %d tokens; keeping its last %d so that %d new tokens fit in model.max_len=%d.",
+                    index,
+                    len(row),
+                    room,
+                    max_new_tokens,
+                    config.max_len,
+                )
+                rows[index] = row[-room:]
+    lengths = np.array([len(r) for r in rows], np.int32)
+    tokens = np.zeros((len(rows), lengths.max()), np.int32)
+    for index, row in enumerate(rows):
+        tokens[index, : len(row)] = row
+    return tokens, lengths

@@ -1,0 +1,211 @@
+"""Generation: cached decoding equals the full forward pass, and the engine's choices are exact
+(greedy, top-k, top-p, seeds, stop tokens, batching, streaming, beam search)."""
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from core.beam import beam_search, gnmt_penalty
+from core.config import ModelConfig
+from core.errors import UserError
+from core.generate import extend, filter_logits, generate, generate_beams, prefill
+from core.heads import TiedOutput, TokenEmbedder
+from core.transformer import Model, Transformer
+
+VOCAB = 50
+PROMPTS = [[3, 14, 15], [9, 2, 6, 5, 35, 8, 9], [27]]
+
+
+def language_model(**changes) -> Model:
+    settings = dict(d_model=32, num_layers=2, num_heads=4, mlp_dim=64, max_len=24, dropout=0.0, causal=True)
+    rngs = nnx.Rngs(0)
+    embedder = TokenEmbedder(VOCAB, 32, rngs=rngs)
+    return Model(embedder, Transformer(ModelConfig(**{**settings, **changes}), rngs=rngs), TiedOutput(embedder))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return language_model()
+
+
+@nnx.jit
+def forward(model, tokens):
+    return model({"inputs": tokens, "mask": jnp.ones(tokens.shape, bool)}).logits()
+
+
+def full_logits(model, tokens):
+    return forward(model, jnp.asarray(tokens, jnp.int32))
+
+
+jit_prefill = nnx.jit(prefill, static_argnums=3)
+jit_extend = nnx.jit(extend)
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"positions": "learned"},
+        {"positions": "rotary"},
+        {"positions": "learned", "num_kv_heads": 2},
+        {"positions": "rotary", "num_kv_heads": 1},
+        {"positions": "rotary", "num_kv_heads": 2, "attention": "xla"},
+    ],
+)
+def test_cached_decoding_equals_the_full_forward_pass(changes):
+    model = language_model(**changes)
+    tokens = np.random.default_rng(0).integers(0, VOCAB, (3, 20)).astype(np.int32)
+    full = full_logits(model, tokens)
+    # Prefill prefixes of different lengths (right-padded with junk), then feed the rest.
+    lengths = np.array([5, 8, 1], np.int32)
+    prompts = np.where(np.arange(8)[None, :] < lengths[:, None], tokens[:, :8], 7)
+    logits, cache = jit_prefill(model, jnp.asarray(prompts), jnp.asarray(lengths), 20)
+    rows = np.arange(3)
+    for offset in range(12):
+        expected = full[rows, lengths - 1 + offset]
+        np.testing.assert_allclose(logits, expected, atol=2e-5, rtol=1e-5)
+        logits, cache = jit_extend(model, cache, jnp.asarray(tokens[rows, lengths + offset]))
+    np.testing.assert_array_equal(cache.lengths, lengths + 12)
+
+
+def test_a_few_tokens_at_once_equal_one_at_a_time(model):
+    tokens = np.random.default_rng(1).integers(0, VOCAB, (2, 12)).astype(np.int32)
+    full = full_logits(model, tokens)
+    lengths = jnp.asarray([4, 6], jnp.int32)
+    _, cache = jit_prefill(model, jnp.asarray(tokens[:, :6]), lengths, 16)
+    new = np.stack([tokens[0, 4:7], tokens[1, 6:9]])
+    hidden, cache = model.body.extend(model.embedder(jnp.asarray(new)), cache)
+    logits = model.head(hidden, jnp.ones((2, 3), bool)).logits()
+    np.testing.assert_allclose(logits[0], full[0, 4:7], atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(logits[1], full[1, 6:9], atol=2e-5, rtol=1e-5)
+
+
+def test_grouped_query_heads_must_divide_the_heads():
+    with pytest.raises(UserError, match="model.num_kv_heads=3 must be positive and divide model.num_heads=4"):
+        ModelConfig(num_heads=4, num_kv_heads=3)
+    assert ModelConfig(num_heads=4, num_kv_heads=2).key_value_heads == 2
+    assert ModelConfig(num_heads=4).key_value_heads == 4
+
+
+def test_greedy_top_k_one_and_beam_one_agree(model):
+    greedy = generate(model, PROMPTS, max_new_tokens=6)
+    top_one = generate(model, PROMPTS, max_new_tokens=6, temperature=1.5, top_k=1, seed=3)
+    np.testing.assert_array_equal(greedy.tokens, top_one.tokens)
+    beams = generate_beams(model, PROMPTS, beam_size=1, max_new_tokens=6)
+    np.testing.assert_array_equal(beams.tokens[:, 0], greedy.tokens)
+    np.testing.assert_array_equal(greedy.lengths, [6, 6, 6])
+    # Greedy tokens are the argmax of the full forward pass over the prompt and what came so far.
+    sequence = PROMPTS[1] + list(greedy.tokens[1])
+    logits = full_logits(model, [sequence])[0]
+    np.testing.assert_array_equal(np.argmax(logits[len(PROMPTS[1]) - 1 : -1], -1), greedy.tokens[1])
+
+
+def test_top_p_keeps_the_smallest_set_that_reaches_p():
+    probabilities = np.array([0.15, 0.5, 0.05, 0.2, 0.1])
+    logits = jnp.asarray(np.log(probabilities)[None], jnp.float32)
+
+    def kept(top_k=None, top_p=None):
+        return set(np.flatnonzero(np.isfinite(filter_logits(logits, top_k, top_p)[0])))
+
+    assert kept(top_p=0.45) == {1}
+    assert kept(top_p=0.6) == {1, 3}
+    assert kept(top_p=0.8) == {1, 3, 0}
+    assert kept(top_p=0.9) == {1, 3, 0, 4}
+    assert kept(top_p=1.0) == {0, 1, 2, 3, 4}
+    assert kept(top_k=2) == {1, 3}
+    # Top-k first, then the nucleus of what is left: 0.5 / 0.85 < 0.7 <= 0.7 / 0.85.
+    assert kept(top_k=3, top_p=0.7) == {1, 3}
+    # Kept logits are unchanged.
+    np.testing.assert_array_equal(filter_logits(logits, None, 0.6)[0, [1, 3]], logits[0, [1, 3]])
+
+
+def test_a_seed_reproduces_and_another_differs(model):
+    def run(seed):
+        return generate(model, PROMPTS, max_new_tokens=8, temperature=1.0, top_p=0.95, seed=seed).tokens
+
+    np.testing.assert_array_equal(run(0), run(0))
+    np.testing.assert_array_equal(run(jax.random.key(5)), run(jax.random.key(5)))
+    assert not np.array_equal(run(0), run(1))
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_batched_prompts_give_what_each_gives_alone(model, use_cache):
+    together = generate(model, PROMPTS, max_new_tokens=5, use_cache=use_cache)
+    for row, prompt in enumerate(PROMPTS):
+        alone = generate(model, [prompt], max_new_tokens=5, use_cache=use_cache)
+        np.testing.assert_array_equal(together.tokens[row], alone.tokens[0])
+    if use_cache:
+        np.testing.assert_array_equal(
+            together.tokens, generate(model, PROMPTS, max_new_tokens=5, use_cache=False).tokens
+        )
+
+
+def test_rows_stop_at_their_first_stop_token_and_the_loop_ends(model):
+    greedy = generate(model, PROMPTS, max_new_tokens=8).tokens
+    stop = int(greedy[1, 2])  # what greedy writes third in row 1
+    streamed = []
+    result = generate(
+        model, PROMPTS, max_new_tokens=8, stop_tokens=[stop], on_tokens=lambda t, a: streamed.append((t, a))
+    )
+    for row in range(len(PROMPTS)):
+        hits = np.flatnonzero(greedy[row] == stop)
+        length = hits[0] + 1 if len(hits) else 8
+        assert result.lengths[row] == length
+        np.testing.assert_array_equal(result.tokens[row, :length], greedy[row, :length])
+        assert not result.tokens[row, length:].any()
+    # One callback per step, in order, until the last row stopped; they spell the result.
+    assert len(streamed) == result.lengths.max()
+    tokens, active = (np.stack(x, 1) for x in zip(*streamed))
+    np.testing.assert_array_equal(active.sum(1), result.lengths)
+    np.testing.assert_array_equal(np.where(active, tokens, 0), result.tokens[:, : len(streamed)])
+
+
+def sequence_score(model, prompt, new_tokens, alpha):
+    logits = full_logits(model, [list(prompt) + list(new_tokens)])[0]
+    log_probs = jax.nn.log_softmax(logits[len(prompt) - 1 : -1], -1)
+    return float(log_probs[np.arange(len(new_tokens)), new_tokens].sum()) / gnmt_penalty(len(new_tokens), alpha)
+
+
+def test_beam_search_scores_at_least_greedy(model):
+    alpha = 0.6
+    greedy = generate(model, PROMPTS, max_new_tokens=5).tokens
+    beams = generate_beams(model, PROMPTS, beam_size=4, max_new_tokens=5, length_penalty=alpha)
+    assert np.all(np.diff(beams.scores, axis=1) <= 0)
+    for row, prompt in enumerate(PROMPTS):
+        best = beams.tokens[row, 0, : beams.lengths[row, 0]]
+        # The reported score is the model's, and it is at least greedy's.
+        assert beams.scores[row, 0] == pytest.approx(sequence_score(model, prompt, best, alpha), abs=1e-4)
+        assert beams.scores[row, 0] >= sequence_score(model, prompt, greedy[row], alpha) - 1e-5
+
+
+def test_beam_search_finds_what_greedy_misses():
+    # Token 1 looks best first (0.6 against 0.4 for token 2), but after it every token has
+    # probability 1/4; after token 2, token 3 is certain. Token 0 stops.
+    table = np.log(np.array([[0.25] * 4, [0.25] * 4, [1e-6, 1e-6, 1e-6, 1.0], [1.0, 1e-6, 1e-6, 1e-6]]))
+    table = jnp.asarray(table, jnp.float32)
+
+    def step(state, tokens):
+        return table[tokens], state
+
+    first = jnp.log(jnp.asarray([[1e-6, 0.6, 0.4, 1e-6]], jnp.float32))
+    beams = jax.jit(lambda s, x: beam_search(step, s, x, beam_size=2, max_new_tokens=4, stop_tokens=(0,)))(
+        jnp.zeros((1, 1)), first
+    )
+    np.testing.assert_array_equal(beams.tokens[0, 0], [2, 3, 0, 0])
+    assert beams.lengths[0, 0] == 3
+    assert float(beams.scores[0, 0]) == pytest.approx(np.log(0.4) / gnmt_penalty(3, 0.6), abs=1e-4)
+
+
+def test_too_long_prompts_are_cut_on_the_left(model, caplog):
+    long = list(range(1, 23))  # 22 tokens; with 4 new ones, max_len=24 leaves room for 20
+    with caplog.at_level(logging.WARNING, logger="apps"):
+        cut = generate(model, [long], max_new_tokens=4)
+    assert "keeping its last 20" in caplog.text
+    np.testing.assert_array_equal(cut.tokens, generate(model, [long[-20:]], max_new_tokens=4).tokens)
+    with pytest.raises(UserError, match="max_new_tokens=24 leaves no room"):
+        generate(model, PROMPTS, max_new_tokens=24)
+    with pytest.raises(UserError, match="at least one token"):
+        generate(model, [[]], max_new_tokens=2)
