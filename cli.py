@@ -174,10 +174,19 @@ def predict(
     from core import run
 
     if task_type.generates and len(lines) == 1:
-        # One prompt: its continuation streams to the terminal as the decode loop produces it.
-        typer.secho(lines[0], bold=True, nl=False)
-        run.predict(task_type, workdir or Path("runs") / task, lines, options, on_text=_write)
-        typer.echo()
+        # One prompt: its continuation streams to the terminal as the decode loop produces it,
+        # after the prompt, which is shown once generation has started (not before a mistake).
+        shown = []
+
+        def write(text: str) -> None:
+            if not shown:
+                typer.secho(lines[0], bold=True, nl=False)
+                shown.append(True)
+            sys.stdout.write(text)
+            sys.stdout.flush()
+
+        run.predict(task_type, workdir or Path("runs") / task, lines, options, on_text=write)
+        write("\n")
         return
     rows = run.predict(task_type, workdir or Path("runs") / task, lines, options)
     table = Table()
@@ -186,11 +195,6 @@ def predict(
     for row in rows:
         table.add_row(*row.values())
     _console().print(table)
-
-
-def _write(text: str) -> None:
-    sys.stdout.write(text)
-    sys.stdout.flush()
 
 
 def _split_options(arguments: list[str]) -> tuple[list[str], dict[str, str]]:

@@ -268,7 +268,8 @@ def prepare_prompts(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Right-padded prompt tokens [B, T] and their lengths [B], checked against the model.
 
-    With learned positions a row holds at most `max_len` tokens: prompts longer than
+    A row holds at most `max_len` tokens, the context the model was trained on (a table of
+    learned positions ends there; rotary ones were never trained beyond it): prompts longer than
     max_len - max_new_tokens keep their last tokens (with a warning on the "apps" logger), and
     `max_new_tokens` must leave room for at least one prompt token.
     """
@@ -280,24 +281,23 @@ def prepare_prompts(
     rows = [np.asarray(p, np.int32).reshape(-1) for p in prompts]
     if not rows or any(len(r) == 0 for r in rows):
         raise UserError("Every prompt needs at least one token (a beginning-of-sequence token will do).")
-    if config.positions == "learned":
-        room = config.max_len - max_new_tokens
-        if room < 1:
-            raise UserError(
-                f"max_new_tokens={max_new_tokens} leaves no room for a prompt in model.max_len={config.max_len} "
-                "positions; ask for fewer new tokens."
+    room = config.max_len - max_new_tokens
+    if room < 1:
+        raise UserError(
+            f"max_new_tokens={max_new_tokens} leaves no room for a prompt in model.max_len={config.max_len} "
+            "positions; ask for fewer new tokens."
+        )
+    for index, row in enumerate(rows):
+        if len(row) > room:
+            logger.warning(
+                "Prompt %d has %d tokens; keeping its last %d so that %d new tokens fit in model.max_len=%d.",
+                index,
+                len(row),
+                room,
+                max_new_tokens,
+                config.max_len,
             )
-        for index, row in enumerate(rows):
-            if len(row) > room:
-                logger.warning(
-                    "Prompt %d has %d tokens; keeping its last %d so that %d new tokens fit in model.max_len=%d.",
-                    index,
-                    len(row),
-                    room,
-                    max_new_tokens,
-                    config.max_len,
-                )
-                rows[index] = row[-room:]
+            rows[index] = row[-room:]
     lengths = np.array([len(r) for r in rows], np.int32)
     tokens = np.zeros((len(rows), lengths.max()), np.int32)
     for index, row in enumerate(rows):

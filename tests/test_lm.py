@@ -1,6 +1,7 @@
 """The lm task: packing predicts every piece and EOS exactly once, the n-gram baselines score the
 same predictions, bits per character by hand, generation through the CLI, and bad input."""
 
+import logging
 import math
 
 import numpy as np
@@ -8,6 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from cli import app
+from core import run
 from tasks.nlp.lm import LMFeaturizer, LMTask, characters, tiny
 from tasks.nlp.tokenizer import BOS, EOS, PAD
 
@@ -80,3 +82,49 @@ def test_bad_corpus_is_named(tmp_path, args, message):
     result = runner.invoke(app, [*args, "--preset", "tiny", "--workdir", str(tmp_path / "run")])
     assert result.exit_code == 1 and message in " ".join(result.output.split()), result.output
     assert "Traceback" not in result.output
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("lm") / "run"
+    args = ["train", "lm", "--preset", "tiny", "--data", "synthetic", "--workdir", str(workdir)]
+    result = runner.invoke(app, [*args, "--set", "train.steps=40"])
+    assert result.exit_code == 0, result.output
+    return workdir
+
+
+def test_streamed_continuation_is_the_tabled_one(trained):
+    greedy = ["--max-new-tokens", "12", "--temperature", "0"]
+    streamed = runner.invoke(app, ["predict", "lm", "The cat", "--workdir", str(trained), *greedy])
+    assert streamed.exit_code == 0, streamed.output
+    rows = run.predict(LMTask, trained, ["The cat", "The dogs"], {"--max-new-tokens": "12", "--temperature": "0"})
+    assert [row["prompt"] for row in rows] == ["The cat", "The dogs"]
+    # The terminal shows the prompt and then, piece by piece, exactly the continuation.
+    assert streamed.output == "The cat" + rows[0]["continuation"] + "\n"
+    assert rows[0]["continuation"].startswith(" ")  # a new word after the prompt keeps its space
+
+
+def test_generation_mistakes_are_named(trained, tmp_path):
+    cases = [
+        (["predict", "lm", "--max-new-tokens", "40"], "max_new_tokens=40 leaves no room for a prompt"),
+        (["predict", "lm", "--max-new-tokens", "8", "--beams", "0"], "--beams 0: must be at least 1"),
+        (["predict", "lm", "--max-new-tokens", "8", "--top-p", "1.5"], "top_p=1.5 must be in (0, 1]"),
+        (["predict", "lm", "--max-new-tokens", "ten"], "--max-new-tokens 'ten': expected int"),
+        (["predict", "lm", "--size", "3"], "does not take --size"),
+    ]
+    for args, message in cases:
+        result = runner.invoke(app, [*args, "The cat", "--workdir", str(trained)])
+        assert result.exit_code == 1 and message in " ".join(result.output.split()), result.output
+        assert result.output.startswith("Error:"), result.output  # nothing streamed before the message
+    result = runner.invoke(app, ["predict", "lm", "--workdir", str(trained)], input="  \n")
+    assert result.exit_code == 1 and "at least one non-empty prompt" in result.output
+
+
+def test_long_prompt_keeps_its_end(trained, caplog):
+    logger = logging.getLogger("apps")
+    logger.addHandler(caplog.handler)
+    try:
+        rows = run.predict(LMTask, trained, ["The cat sees the dog. " * 20], {"--max-new-tokens": "4"})
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert len(rows) == 1 and "keeping its last 28 so that 4 new tokens fit in model.max_len=32" in caplog.text

@@ -101,6 +101,11 @@ class LMFeaturizer:
     def pieces(self, examples: Sequence[dict]) -> list[list[int]]:
         return self.tokenizer.processor.encode([e["text"] for e in examples])
 
+    def continuation(self, prompt: Sequence[int], new: Sequence[int]) -> str:
+        """The text that `new` pieces add after `prompt`: decoded together, since a piece's
+        leading space is dropped at the start of a text but not after a prompt."""
+        return self.tokenizer.decode([*prompt, *new])[len(self.tokenizer.decode(prompt)) :]
+
     def __call__(self, examples: Sequence[dict]) -> dict[str, np.ndarray]:
         stream = np.concatenate([np.asarray([BOS, *ids, EOS], np.int32) for ids in self.pieces(examples)])
         length = self.max_len
@@ -220,6 +225,8 @@ class LMTask(Task):
         """Continues each prompt ([BOS] + its pieces) until EOS or --max-new-tokens pieces."""
         from core import generate as generation
 
+        if options["beams"] < 1:
+            raise UserError(f"--beams {options['beams']}: must be at least 1 (1 samples, more search).")
         prompts = [[BOS, *ids] for ids in featurizer.pieces(examples)]
         settings = {"max_new_tokens": options["max_new_tokens"], "stop_tokens": (EOS,)}
         if options["beams"] > 1:
@@ -232,14 +239,15 @@ class LMTask(Task):
                 model,
                 prompts,
                 temperature=options["temperature"],
-                top_k=options["top_k"] or None,
-                top_p=options["top_p"] if options["top_p"] < 1 else None,
+                top_k=None if options["top_k"] == 0 else options["top_k"],
+                top_p=None if options["top_p"] == 1 else options["top_p"],
                 seed=options["seed"],
-                on_tokens=None if on_text is None else _Stream(featurizer.tokenizer, on_text),
+                on_tokens=None if on_text is None else _Stream(featurizer, prompts[0], on_text),
                 **settings,
             )
             tokens, lengths = result.tokens, result.lengths
-        return {"tokens": [row[:length][row[:length] != EOS] for row, length in zip(tokens, lengths)]}
+        new = [row[:length][row[:length] != EOS] for row, length in zip(tokens, lengths)]
+        return {"text": [featurizer.continuation(prompt, ids) for prompt, ids in zip(prompts, new)]}
 
     def parse_inputs(self, lines: Sequence[str], options: dict) -> list[dict]:
         prompts = [line for line in lines if line.strip()]
@@ -248,10 +256,7 @@ class LMTask(Task):
         return [{"text": prompt} for prompt in prompts]
 
     def render(self, predictions, examples, featurizer: LMFeaturizer) -> list[dict[str, str]]:
-        return [
-            {"prompt": e["text"], "continuation": featurizer.tokenizer.decode(ids)}
-            for e, ids in zip(examples, predictions["tokens"])
-        ]
+        return [{"prompt": e["text"], "continuation": text} for e, text in zip(examples, predictions["text"])]
 
 
 def _scored(batch: dict) -> jax.Array:
@@ -268,14 +273,14 @@ def _scores(nll: float, predictions: int, chars: int) -> dict[str, float]:
 class _Stream:
     """Turns the first row's new tokens, as the decode loop produces them, into new text."""
 
-    def __init__(self, tokenizer: Tokenizer, on_text):
-        self.tokenizer, self.on_text, self.ids, self.text = tokenizer, on_text, [], ""
+    def __init__(self, featurizer: LMFeaturizer, prompt: Sequence[int], on_text):
+        self.featurizer, self.prompt, self.on_text, self.ids, self.text = featurizer, prompt, on_text, [], ""
 
     def __call__(self, tokens: np.ndarray, active: np.ndarray) -> None:
         if not active[0] or int(tokens[0]) == EOS:
             return
         self.ids.append(int(tokens[0]))
-        text = self.tokenizer.decode(self.ids)
+        text = self.featurizer.continuation(self.prompt, self.ids)
         # A piece may end inside a character that byte fallback spells over several pieces.
         if not text.endswith("\ufffd"):
             self.on_text(text[len(self.text) :])
