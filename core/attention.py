@@ -56,6 +56,17 @@ def library_arguments(mask, causal: bool, implementation: str) -> dict:
     return {**arguments, "mask": mask[:, None, None, :]}
 
 
+def score_fraction(length: int, causal: bool, implementation: str) -> float:
+    """The fraction of the T x T attention scores a kernel computes: the blockwise kernel skips
+    the causal blocks above the diagonal (3/8 of them at four blocks); XLA's computes them all."""
+    if implementation == "auto":
+        implementation = "blockwise" if jax.default_backend() == "cpu" else "xla"
+    if implementation != "blockwise":
+        return 1.0
+    keys = {start: stop if causal else length for start, stop in _blocks(length, causal)}
+    return sum((stop - start) * keys[start] for start, stop in _blocks(length, causal)) / length**2
+
+
 def _blocks(length: int, causal: bool) -> list[tuple[int, int]]:
     """Query blocks [start, stop); one block unless causal attention can skip keys."""
     if not causal:
