@@ -142,8 +142,7 @@ def prefill(model: Model, tokens: jax.Array, lengths: jax.Array, max_len: int) -
     """Right-padded prompts `tokens` [B, T] of `lengths` [B] through the model, into a new cache
     of `max_len` positions: -> (logits [B, V] for each row's next token, the cache)."""
     B, T = tokens.shape
-    x = model.embedder(tokens)
-    mask = jnp.arange(T)[None, :] < lengths[:, None]
+    x, mask = model.embedder(tokens, jnp.arange(T)[None, :] < lengths[:, None])
     hidden, cache = model.body.prefill(x, mask, model.body.init_cache(B, max_len, x.dtype))
     return _logits(model, _last(hidden, lengths)), cache
 
@@ -153,7 +152,8 @@ def extend(model: Model, cache: Cache, tokens: jax.Array) -> tuple[jax.Array, Ca
 
     Pure: jit it with the cache donated (`donate_argnums`) and XLA writes the new keys in place.
     """
-    hidden, cache = model.body.extend(model.embedder(tokens[:, None]), cache)
+    x, _ = model.embedder(tokens[:, None], jnp.ones((tokens.shape[0], 1), bool))
+    hidden, cache = model.body.extend(x, cache)
     return _logits(model, hidden), cache
 
 
@@ -172,8 +172,8 @@ def recompute(model: Model, state: State, tokens: jax.Array) -> tuple[jax.Array,
 
 
 def _forward(model: Model, buffer: jax.Array, lengths: jax.Array) -> jax.Array:
-    mask = jnp.arange(buffer.shape[1])[None, :] < lengths[:, None]
-    return _logits(model, _last(model.body(model.embedder(buffer), mask), lengths))
+    x, mask = model.embedder(buffer, jnp.arange(buffer.shape[1])[None, :] < lengths[:, None])
+    return _logits(model, _last(model.body(x, mask), lengths))
 
 
 def _last(hidden: jax.Array, lengths: jax.Array) -> jax.Array:

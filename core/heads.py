@@ -14,15 +14,16 @@ from flax import nnx
 
 
 class TokenEmbedder(nnx.Module):
-    """Token ids [B, T] -> vectors [B, T, D]; positions are added by the body."""
+    """A front end: token ids [B, T] and their mask -> vectors [B, T, D] and the same mask;
+    positions are added by the body."""
 
     def __init__(self, vocab_size: int, d_model: int, *, rngs: nnx.Rngs):
         init = nnx.initializers.normal(stddev=d_model**-0.5)
         self.embedding = nnx.Embed(vocab_size, d_model, embedding_init=init, rngs=rngs)
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def __call__(self, tokens: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
         # The table's own dtype, which is the compute dtype (nnx.Embed would promote to float32).
-        return jnp.take(self.embedding.embedding[...], tokens, axis=0)
+        return jnp.take(self.embedding.embedding[...], tokens, axis=0), mask
 
 
 class PooledClassifier(nnx.Module):

@@ -104,7 +104,8 @@ class Task(Protocol):
         """The featurizer a run saved under `directory`."""
 
     def embedder(self, featurizer: Featurizer, rngs: nnx.Rngs) -> nnx.Module:
-        """Maps `inputs` to [B, T, D]."""
+        """The front end: (`inputs`, `mask`) -> (x [B, T', D], mask [B, T']); T' may differ
+        from T (a strided convolution over frames shortens it)."""
 
     def head(self, featurizer: Featurizer, embedder: nnx.Module, rngs: nnx.Rngs) -> nnx.Module:
         """Maps hidden states [B, T, D] and the mask to the task's outputs."""

@@ -271,7 +271,12 @@ class Transformer(nnx.Module):
 
 
 class Model(nnx.Module):
-    """A task's embedder, the shared body and the task's head: batch -> head outputs."""
+    """A task's embedder (its front end), the shared body and the task's head: batch -> outputs.
+
+    The front end maps (inputs, mask) to (x [B, T', D], mask [B, T']): token embeddings keep
+    the length, a strided convolution over speech frames shortens it and returns the mask of
+    the frames it kept. The body and the head see the front end's mask.
+    """
 
     def __init__(self, embedder: nnx.Module, body: Transformer, head: nnx.Module):
         self.embedder = embedder
@@ -279,6 +284,6 @@ class Model(nnx.Module):
         self.head = head
 
     def __call__(self, batch: dict, *, dropout_key: jax.Array | None = None):
-        x = self.embedder(batch["inputs"])
-        hidden = self.body(x, batch["mask"], dropout_key=dropout_key)
-        return self.head(hidden, batch["mask"])
+        x, mask = self.embedder(batch["inputs"], batch["mask"])
+        hidden = self.body(x, mask, dropout_key=dropout_key)
+        return self.head(hidden, mask)

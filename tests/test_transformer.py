@@ -74,3 +74,29 @@ def test_dropout_is_active_only_with_a_key():
     x, mask = inputs(), jnp.ones((2, 10), bool)
     np.testing.assert_array_equal(model(x, mask), model(x, mask))
     assert not np.allclose(model(x, mask, dropout_key=jax.random.key(1)), model(x, mask))
+
+
+class HalvingFrontEnd(nnx.Module):
+    """A front end that shortens the sequence, as a strided convolution over frames does."""
+
+    def __init__(self, rngs):
+        self.embed = TokenEmbedder(50, CONFIG.d_model, rngs=rngs)
+
+    def __call__(self, tokens, mask):
+        x, _ = self.embed(tokens, mask)
+        B, T, D = x.shape
+        return x.reshape(B, T // 2, 2, D).mean(2), mask[:, 1::2]
+
+
+class MaskEcho(nnx.Module):
+    def __call__(self, hidden, mask):
+        return hidden, mask
+
+
+def test_a_front_end_may_change_the_length():
+    model = Model(HalvingFrontEnd(nnx.Rngs(0)), body(), MaskEcho())
+    tokens = jnp.asarray([[5, 6, 7, 8, 9, 0], [5, 6, 7, 8, 0, 0]])
+    hidden, mask = model({"inputs": tokens, "mask": tokens > 0})
+    assert hidden.shape == (2, 3, CONFIG.d_model)
+    # The body and the head see the front end's mask: pairs with a real second token are real.
+    np.testing.assert_array_equal(mask, [[True, True, False], [True, True, False]])
