@@ -71,7 +71,9 @@ def test_cached_decoding_equals_the_full_forward_pass(changes):
     np.testing.assert_array_equal(cache.lengths, lengths + 12)
 
 
-def test_a_few_tokens_at_once_equal_one_at_a_time(model):
+@pytest.mark.parametrize("changes", [{}, {"positions": "rotary", "num_kv_heads": 2}])
+def test_a_few_tokens_at_once_follow_the_cache(changes):
+    model = language_model(**changes)
     tokens = np.random.default_rng(1).integers(0, VOCAB, (2, 12)).astype(np.int32)
     full = full_logits(model, tokens)
     lengths = jnp.asarray([4, 6], jnp.int32)
