@@ -79,10 +79,13 @@ def base() -> Config:
     return Config(
         task="lm",
         preset="base",
-        model=_decoder(256, 4, 4, 704, 256, 0.1),
-        optim=OptimConfig(learning_rate=2e-3, warmup_steps=100, weight_decay=0.1, b2=0.95),
+        # About 2 epochs of the 1.5M training pieces in 13 minutes here: the run is short of
+        # compute, not data, so no dropout and a high learning rate (both beat dropout 0.1 and
+        # 2e-3 on validation at 600 steps: 2.062 vs 2.154 bits per character).
+        model=_decoder(256, 4, 4, 704, 256, 0.0),
+        optim=OptimConfig(learning_rate=3e-3, warmup_steps=100, weight_decay=0.1, b2=0.95),
         train=TrainConfig(
-            batch_size=16, eval_batch_size=16, steps=2000, eval_every=500, checkpoint_every=500, log_every=25
+            batch_size=16, eval_batch_size=16, steps=700, eval_every=350, checkpoint_every=350, log_every=25
         ),
         data=LMData(),
     )
