@@ -13,6 +13,7 @@ import pytest
 from flax import nnx
 
 from core import losses
+from core.attention import attention, library_arguments, memory_attention
 from core.config import Config, ModelConfig
 from core.encoder_decoder import EncoderDecoder
 from core.errors import UserError
@@ -216,9 +217,34 @@ def test_dropout_acts_only_with_a_key():
     model = encoder_decoder(dropout=0.3)
     tokens, mask = padded(SOURCES, 9)
     batch = {"inputs": tokens, "mask": mask, "decoder_inputs": tokens[:, :4], "decoder_mask": np.ones((3, 4), bool)}
-    plain = model(batch).logits()
-    np.testing.assert_array_equal(plain, model(batch).logits())
-    assert not np.allclose(plain, model(batch, dropout_key=jax.random.key(0)).logits())
+    run = nnx.jit(lambda model, key: model(batch, dropout_key=key).logits())
+    np.testing.assert_array_equal(run(model, None), run(model, None))
+    assert not np.allclose(run(model, None), run(model, jax.random.key(0)))
+
+
+@pytest.mark.parametrize("heads,key_value_heads", [(4, 4), (4, 2)])
+def test_cross_attention_kernels_agree_on_values_and_gradients(heads, key_value_heads):
+    rng = np.random.default_rng(heads + key_value_heads)
+    q, cotangent = (jnp.asarray(rng.standard_normal((2, 5, heads, 8), np.float32)) for _ in range(2))
+    k, v = (jnp.asarray(rng.standard_normal((2, 7, key_value_heads, 8), np.float32)) for _ in range(2))
+    mask = jnp.asarray(np.arange(7)[None, :] < np.array([[7], [3]]))
+
+    def loss(implementation):
+        def f(q, k, v):
+            out = attention(q, k, v, mask, causal=False, implementation=implementation, cross=True)
+            return (out * cotangent).sum()
+
+        return jax.value_and_grad(f, (0, 1, 2))(q, k, v)
+
+    for a, b in zip(jax.tree.leaves(loss("blockwise")), jax.tree.leaves(loss("xla"))):
+        np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-4)
+    # Decoding's form reads the keys and values in the cache's layout.
+    decoding = memory_attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 3, 1), mask)
+    np.testing.assert_allclose(decoding, attention(q, k, v, mask, causal=False, implementation="xla"), atol=2e-5)
+    # cuDNN is told the keys' lengths only: every query of the other sequence runs.
+    arguments = library_arguments(mask, False, "cudnn", cross=True)
+    assert "query_seq_lengths" not in arguments
+    np.testing.assert_array_equal(arguments["key_value_seq_lengths"], [7, 3])
 
 
 def test_the_stacks_and_their_settings_are_checked():
