@@ -2,6 +2,7 @@
 cross-attention reads the real source, the decoder is causal, the decoding engine's choices
 carry over (greedy, beams, batching), and a tiny model learns to reverse a batch."""
 
+import re
 import time
 from dataclasses import dataclass
 
@@ -97,6 +98,31 @@ def test_cached_decoding_equals_teacher_forcing(changes):
     # The memory's keys and values were projected once, for every decoder layer, batch first.
     assert len(cache.memory.layers) == len(model.decoder.blocks)
     assert all(leaf.shape[0] == 3 for leaf in jax.tree.leaves(cache))
+
+
+@nnx.jit
+def prefill_targets(model, tokens, mask, prefix, lengths):
+    """Target prefixes [B, T] of `lengths` through `Transformer.prefill` over the memory."""
+    memory, memory_mask = model.encode(tokens, mask)
+    decoder = model.decoder
+    cache = decoder.init_cache(len(tokens), 12, memory=decoder.project_memory(memory, memory_mask))
+    x, prefix_mask = model.target_embedder(prefix, jnp.arange(prefix.shape[1])[None, :] < lengths[:, None])
+    hidden, cache = decoder.prefill(x, prefix_mask, cache)
+    last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)
+    return model.head(last, jnp.ones((len(tokens), 1), bool)).logits()[:, 0], cache
+
+
+def test_a_prefilled_target_prefix_follows_the_memory_too(model):
+    targets = np.random.default_rng(4).integers(3, VOCAB, (3, 10)).astype(np.int32)
+    full = teacher_forced(model, SOURCES, targets)
+    prefix = np.concatenate([np.full((3, 1), BOS, np.int32), targets[:, :4]], axis=1)
+    lengths = np.array([3, 5, 1], np.int32)  # BOS and 2, 4 or 0 targets; the rest is padding
+    tokens, mask = padded(SOURCES, 9)
+    logits, cache = prefill_targets(model, tokens, mask, prefix, lengths)
+    rows = np.arange(3)
+    for offset in range(4):
+        np.testing.assert_allclose(logits, full[rows, lengths - 1 + offset], atol=2e-5, rtol=1e-5)
+        logits, cache = jit_step(model, cache, jnp.asarray(targets[rows, lengths - 1 + offset]))
 
 
 def test_more_source_padding_changes_nothing(model):
@@ -293,3 +319,24 @@ def test_a_task_may_build_its_own_model():
     expected = nnx.state(encoder_decoder(), nnx.Param)
     for a, b in zip(jax.tree.leaves(nnx.state(model, nnx.Param)), jax.tree.leaves(expected)):
         np.testing.assert_array_equal(a, b)
+
+
+def test_rematerialized_stacks_give_the_same_gradients():
+    tokens, mask = padded(SOURCES, 9)
+    batch = {"inputs": tokens, "mask": mask, "decoder_inputs": tokens[:, :5], "decoder_mask": np.ones((3, 5), bool)}
+
+    def gradients(remat):
+        rngs = nnx.Rngs(0)
+        embedder = TokenEmbedder(VOCAB, SETTINGS["d_model"], rngs=rngs)
+        model = EncoderDecoder.build(
+            ModelConfig(**SETTINGS), embedder, embedder, TiedOutput(embedder), remat=remat, rngs=rngs
+        )
+        graphdef, params = nnx.split(model)
+        loss = lambda params: nnx.merge(graphdef, params)(batch).logits().std()  # noqa: E731
+        return jax.jit(jax.grad(loss))(params), jax.make_jaxpr(jax.grad(loss))(params)
+
+    (plain, _), (rematerialized, jaxpr) = gradients(False), gradients(True)
+    # One checkpoint per block: two encoder and two decoder blocks.
+    assert len(re.findall(r"\b(?:remat\d*|checkpoint)\[", str(jaxpr))) == 4
+    for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(rematerialized)):
+        np.testing.assert_allclose(a, b, atol=1e-6)
