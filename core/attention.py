@@ -18,7 +18,11 @@ keys; output [B, T, N, H]. The blockwise kernel stacks the G query heads of each
 rows of one [B, K, G * T, H] operand instead of repeating the keys G times; with G = 1 that is
 the plain multi-head program, unchanged. XLA's kernel groups the heads natively.
 
-`cached_attention` serves decoding: a few new queries per row against a key/value cache.
+Cross-attention (`cross=True`) takes queries [B, T, N, H] from one sequence and keys and values
+[B, S, K, H] from another, the mask [B, S] covering the keys only.
+
+`cached_attention` serves decoding: a few new queries per row against a key/value cache;
+`memory_attention` the same queries against an encoder's keys and values, computed once.
 """
 
 from __future__ import annotations
@@ -34,24 +38,28 @@ MIN_BLOCK = 64
 MAX_BLOCKS = 4
 
 
-def attention(q, k, v, mask, *, causal: bool, implementation: str):
+def attention(q, k, v, mask, *, causal: bool, implementation: str, cross: bool = False):
     if implementation == "auto":
         implementation = "blockwise" if jax.default_backend() == "cpu" else "xla"
     if implementation == "blockwise":
         return blockwise_attention(q, k, v, mask, causal)
-    return jax.nn.dot_product_attention(q, k, v, **library_arguments(mask, causal, implementation))
+    return jax.nn.dot_product_attention(q, k, v, **library_arguments(mask, causal, implementation, cross))
 
 
-def library_arguments(mask, causal: bool, implementation: str) -> dict:
+def library_arguments(mask, causal: bool, implementation: str, cross: bool = False) -> dict:
     """Keyword arguments for `jax.nn.dot_product_attention` that express the padding `mask`.
 
     XLA takes the mask itself, broadcast over heads and queries. cuDNN's flash kernel takes no
     dense mask (JAX turns one into a bias whose layout that kernel rejects): it takes each row's
-    number of real keys, which says the same thing because the suite pads on the right.
+    number of real keys, which says the same thing because the suite pads on the right. In
+    self-attention the queries have the keys' lengths; in cross-attention the mask says nothing
+    about the queries, so all of them run (JAX's default).
     """
     arguments = {"is_causal": causal, "implementation": implementation}
     if implementation == "cudnn":
         lengths = mask.sum(-1, dtype=jnp.int32)
+        if cross:
+            return {**arguments, "key_value_seq_lengths": lengths}
         return {**arguments, "query_seq_lengths": lengths, "key_value_seq_lengths": lengths}
     return {**arguments, "mask": mask[:, None, None, :]}
 
@@ -179,3 +187,17 @@ def cached_attention(q, k, v, cached_keys, cached_values, lengths):
     y = jnp.einsum("BKGTS,BKHS->BTKGH", probabilities[..., :S], cached_values)
     y = y + jnp.einsum("BKGTU,BUKH->BTKGH", probabilities[..., S:], v)
     return y.reshape(B, T, N, H)
+
+
+def memory_attention(q, keys, values, mask):
+    """Queries q [B, T, N, H] over an encoder's keys [B, K, S, H] and values [B, K, H, S], laid
+    out as a decoding cache is (see `core.transformer.KeyValues`), mask [B, S] true at real
+    positions -> [B, T, N, H]. The decoding form of cross-attention: a grouped softmax that reads
+    the keys and values as they lie, as `cached_attention` reads its cache."""
+    B, T, N, H = q.shape
+    K = keys.shape[1]
+    grouped = q.reshape(B, T, K, N // K, H)
+    scores = jnp.einsum("BTKGH,BKSH->BKGTS", grouped, keys, preferred_element_type=jnp.float32) * H**-0.5
+    scores = jnp.where(mask[:, None, None, None, :], scores, MASKED)
+    probabilities = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
+    return jnp.einsum("BKGTS,BKHS->BTKGH", probabilities, values).reshape(B, T, N, H)

@@ -43,6 +43,7 @@ from core.config import Config, ModelConfig, OptimConfig, TrainConfig
 from core.errors import UserError
 from core.generate import generate
 from core.heads import TiedOutput, TokenEmbedder
+from core.task import Task
 from core.train import build_model, make_steps
 
 
@@ -64,8 +65,9 @@ CONFIGS = {
 
 
 @dataclass(frozen=True, kw_only=True)
-class CausalLM:
-    """Next-token prediction over random tokens: just enough task to drive the core's step."""
+class CausalLM(Task):
+    """Next-token prediction over random tokens: just enough task to drive the core's step (a
+    `Task` subclass for the protocol's defaults, the `model` hook among them)."""
 
     config: Config
     vocab_size: int

@@ -37,6 +37,8 @@ class ModelConfig:
     positions: Literal["learned", "rotary"] = "learned"
     max_len: int = 512
     causal: bool = False
+    # An encoder-decoder's decoder depth (None: num_layers); its encoder has num_layers blocks.
+    decoder_layers: int | None = None
     # See core/attention.py: "auto" is the blockwise kernel on CPU and XLA's elsewhere;
     # "cudnn" selects the fused flash kernel on NVIDIA GPUs (bf16 compute).
     attention: Literal["auto", "xla", "cudnn", "blockwise"] = "auto"
@@ -50,6 +52,8 @@ class ModelConfig:
             self.num_heads,
             f"must divide model.d_model={self.d_model}",
         )
+        if self.decoder_layers is not None:
+            require(self.decoder_layers > 0, "model.decoder_layers", self.decoder_layers, "must be positive (or None)")
         if self.num_kv_heads is not None:
             require(
                 self.num_kv_heads > 0 and self.num_heads % self.num_kv_heads == 0,

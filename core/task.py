@@ -12,6 +12,15 @@ Batches are dicts of arrays with a leading batch axis B:
 - `targets`  [B] or [B, T]: what the loss compares with;
 - `target_mask` [B, T] bool, optional: which target positions count;
 - `weights`  [B] float: 1 for real examples, 0 for the rows that pad a last partial batch.
+
+An encoder-decoder task (its `model` hook builds a `core.encoder_decoder.EncoderDecoder`) reads
+`inputs` and `mask` as the source and adds the target side:
+
+- `decoder_inputs` [B, U]: the targets shifted right, starting with the beginning-of-sequence
+  token: what the decoder reads at each target position;
+- `decoder_mask` [B, U] bool: true at real target positions;
+- `targets` [B, U]: the token to predict at each target position (the last one an
+  end-of-sequence token), with `target_mask` [B, U] marking the positions the loss counts.
 """
 
 from __future__ import annotations
@@ -102,6 +111,13 @@ class Task(Protocol):
 
     def load_featurizer(self, directory: Path) -> Featurizer:
         """The featurizer a run saved under `directory`."""
+
+    def model(self, featurizer: Featurizer, config: Config, rngs: nnx.Rngs) -> nnx.Module | None:
+        """The whole model, for a task whose shape is not the default composition (an
+        `EncoderDecoder`, for one): a module called as `model(batch, dropout_key=...)` that
+        returns what `loss`, `metrics` and `decode` read. None, the default: the core builds
+        `Model(embedder, Transformer, head)` from `embedder` and `head`."""
+        return None
 
     def embedder(self, featurizer: Featurizer, rngs: nnx.Rngs) -> nnx.Module:
         """The front end: (`inputs`, `mask`) -> (x [B, T', D], mask [B, T']); T' may differ

@@ -38,8 +38,13 @@ from core.transformer import Model, Transformer
 State = dict[str, Any]
 
 
-def build_model(task: Task, featurizer, config: Config) -> Model:
+def build_model(task: Task, featurizer, config: Config) -> nnx.Module:
+    """The task's own model (its `model` hook), else the default composition embedder ->
+    body -> head."""
     rngs = nnx.Rngs(config.train.seed)
+    custom = task.model(featurizer, config, rngs)
+    if custom is not None:
+        return custom
     embedder = task.embedder(featurizer, rngs)
     body = Transformer(config.model, remat=config.train.remat, rngs=rngs)
     return Model(embedder, body, task.head(featurizer, embedder, rngs))
@@ -66,7 +71,7 @@ class Steps:
 
 def make_steps(
     task: Task,
-    model: Model,
+    model: nnx.Module,
     config: Config,
     total_steps: int,
     devices: list | None = None,

@@ -10,6 +10,12 @@ A causal body also decodes (see `core.generate`). `prefill` runs the prompts as 
 forward does and keeps every layer's keys and values in a preallocated `Cache`; `extend` runs a
 few new tokens per row after the cached ones, at each row's own positions, and writes theirs.
 The cache is a plain pytree passed in and returned, so that decode steps are pure functions.
+
+A body built with `cross_attention=True` is the decoder of an encoder-decoder: each block is
+self-attention, then cross-attention over the encoder's outputs (the memory [B, S, D] and its
+mask [B, S]), then the MLP. For decoding, `project_memory` computes every layer's keys and
+values of the memory once; they ride in the cache (`Cache.memory`) beside the decoder's own.
+`EncoderDecoder` (core/encoder_decoder.py) joins an encoder body and such a decoder.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from core.attention import attention, cached_attention
+from core.attention import attention, cached_attention, memory_attention
 from core.config import ModelConfig
 
 
@@ -132,11 +138,22 @@ def write(cache: KeyValues, k: jax.Array, v: jax.Array, positions: jax.Array | N
     )
 
 
+class Memory(NamedTuple):
+    """An encoder's outputs as a decoder's cross-attention reads them: every layer's keys and
+    values of the memory (`KeyValues`, slot s holding source position s) and its mask [B, S]."""
+
+    layers: tuple[KeyValues, ...]
+    mask: jax.Array
+
+
 class Cache(NamedTuple):
-    """Every layer's `KeyValues` and `lengths` [B]: the positions each row holds so far."""
+    """Every layer's `KeyValues` and `lengths` [B]: the positions each row holds so far; for a
+    decoder with cross-attention, also the `Memory` it attends to (None: a decoder-only body,
+    whose cache then holds nothing more than before)."""
 
     layers: tuple[KeyValues, ...]
     lengths: jax.Array
+    memory: Memory | None = None
 
 
 class Attention(nnx.Module):
@@ -174,6 +191,42 @@ class Attention(nnx.Module):
         return self.out(y.reshape(B, T, -1)), cache
 
 
+class CrossAttention(nnx.Module):
+    """Attention of a decoder's queries over an encoder's outputs (the memory): a query
+    projection of the decoder's states and a fused key/value projection of the memory, grouped
+    query heads as in `Attention`. No positions here: each stack has added its own."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        self.query = Dense(config.d_model, config.num_heads * config.head_dim, rngs=rngs)
+        self.key_value = Dense(config.d_model, 2 * config.key_value_heads * config.head_dim, rngs=rngs)
+        self.out = Dense(config.d_model, config.d_model, rngs=rngs)
+
+    def project(self, memory: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """memory [B, S, D] -> its keys and values [B, S, K, H]."""
+        B, S, _ = memory.shape
+        k, v = jnp.split(self.key_value(memory).reshape(B, S, 2 * self.config.key_value_heads, -1), 2, axis=2)
+        return k, v
+
+    def keys_values(self, memory: jax.Array) -> KeyValues:
+        """memory [B, S, D] -> its keys and values in the cache's layout, computed once for decoding."""
+        k, v = self.project(memory)
+        return KeyValues(k.transpose(0, 2, 1, 3), v.transpose(0, 2, 3, 1))
+
+    def __call__(self, x: jax.Array, memory: jax.Array | KeyValues, memory_mask: jax.Array) -> jax.Array:
+        """x [B, T, D] over `memory`: the encoder's outputs [B, S, D] (training: projected here,
+        through the configured kernel) or their `keys_values` (decoding) -> [B, T, D]."""
+        c = self.config
+        B, T, _ = x.shape
+        q = self.query(x).reshape(B, T, c.num_heads, -1)
+        if isinstance(memory, KeyValues):
+            y = memory_attention(q, memory.keys, memory.values, memory_mask)
+        else:
+            k, v = self.project(memory)
+            y = attention(q, k, v, memory_mask, causal=False, implementation=c.attention, cross=True)
+        return self.out(y.reshape(B, T, -1))
+
+
 class MLP(nnx.Module):
     """GELU MLP, or SwiGLU with the gate and up projections fused into one matmul."""
 
@@ -194,67 +247,110 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    """One pre-norm Transformer block."""
+    """One pre-norm Transformer block; with `cross_attention`, a cross-attention sublayer over
+    the memory sits between the self-attention and the MLP."""
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, *, cross_attention: bool = False, rngs: nnx.Rngs):
         self.rate = config.dropout
         self.norm1 = Norm(config.d_model, config.norm)
         self.attention = Attention(config, rngs=rngs)
+        if cross_attention:
+            self.norm_cross = Norm(config.d_model, config.norm)
+            self.cross_attention = CrossAttention(config, rngs=rngs)
+        else:
+            self.cross_attention = None
         self.norm2 = Norm(config.d_model, config.norm)
         self.mlp = MLP(config, rngs=rngs)
 
-    def __call__(self, x, mask, positions, key, cache=None, prefill=False):
-        k1, k2 = (None, None) if key is None else jax.random.split(key)
+    def __call__(self, x, mask, positions, key, memory=None, memory_mask=None, cache=None, prefill=False):
+        sublayers = 2 if self.cross_attention is None else 3
+        k1, k2, k3 = ([None] * 3 if key is None else [*jax.random.split(key, sublayers), None])[:3]
         y, cache = self.attention(self.norm1(x), mask, positions, cache, prefill)
         x = x + dropout(y, self.rate, k1)
+        if self.cross_attention is not None:
+            x = x + dropout(self.cross_attention(self.norm_cross(x), memory, memory_mask), self.rate, k3)
         return x + dropout(self.mlp(self.norm2(x)), self.rate, k2), cache
 
 
 class Transformer(nnx.Module):
-    """A stack of blocks: bidirectional (encoder) or causal (decoder) by `config.causal`."""
+    """A stack of blocks: bidirectional (encoder) or causal (decoder) by `config.causal`, with
+    cross-attention over a memory (an encoder-decoder's decoder) by `cross_attention`."""
 
-    def __init__(self, config: ModelConfig, *, remat: bool = False, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, *, remat: bool = False, cross_attention: bool = False, rngs: nnx.Rngs):
         self.config = config
+        self.cross_attention = cross_attention
         self.position_embedding = (
             nnx.Embed(config.max_len, config.d_model, rngs=rngs) if config.positions == "learned" else None
         )
-        self.blocks = nnx.List([Block(config, rngs=rngs) for _ in range(config.num_layers)])
+        self.blocks = nnx.List(
+            [Block(config, cross_attention=cross_attention, rngs=rngs) for _ in range(config.num_layers)]
+        )
         self.final_norm = Norm(config.d_model, config.norm)
         # Recompute each block's activations in the backward pass instead of storing them.
         self.apply_block = nnx.remat(Block.__call__) if remat else Block.__call__
 
-    def __call__(self, x: jax.Array, mask: jax.Array, *, dropout_key: jax.Array | None = None) -> jax.Array:
-        """x [B, T, D] embedded inputs, mask [B, T] true at real positions -> [B, T, D]."""
+    def __call__(
+        self,
+        x: jax.Array,
+        mask: jax.Array,
+        *,
+        memory: jax.Array | None = None,
+        memory_mask: jax.Array | None = None,
+        dropout_key: jax.Array | None = None,
+    ) -> jax.Array:
+        """x [B, T, D] embedded inputs, mask [B, T] true at real positions -> [B, T, D]; with
+        cross-attention, over `memory` [B, S, D] whose `memory_mask` [B, S] marks real positions."""
+        self._check_memory(memory)
         B, T, _ = x.shape
-        return self._run(x, mask, jnp.broadcast_to(jnp.arange(T), (B, T)), dropout_key, None, False)[0]
+        positions = jnp.broadcast_to(jnp.arange(T), (B, T))
+        return self._run(x, mask, positions, dropout_key, None, False, memory, memory_mask)[0]
 
-    def init_cache(self, batch_size: int, max_len: int, dtype=jnp.float32) -> Cache:
-        """An empty cache of `max_len` positions per row."""
+    def project_memory(self, memory: jax.Array, memory_mask: jax.Array) -> Memory:
+        """Every layer's cross-attention keys and values of `memory` [B, S, D], for a decoding
+        cache (`init_cache`): computed once per source, not at every new token."""
+        self._check_memory(memory)
+        return Memory(tuple(block.cross_attention.keys_values(memory) for block in self.blocks), memory_mask)
+
+    def init_cache(self, batch_size: int, max_len: int, dtype=jnp.float32, memory: Memory | None = None) -> Cache:
+        """An empty cache of `max_len` positions per row, holding `memory` (`project_memory`)
+        for a body with cross-attention."""
+        self._check_memory(memory)
         c = self.config
         keys, values = (
             (batch_size, c.key_value_heads, max_len, c.head_dim),
             (batch_size, c.key_value_heads, c.head_dim, max_len),
         )
         layers = tuple(KeyValues(jnp.zeros(keys, dtype), jnp.zeros(values, dtype)) for _ in self.blocks)
-        return Cache(layers, jnp.zeros((batch_size,), jnp.int32))
+        return Cache(layers, jnp.zeros((batch_size,), jnp.int32), memory)
 
     def prefill(self, x: jax.Array, mask: jax.Array, cache: Cache) -> tuple[jax.Array, Cache]:
         """Right-padded prompts x [B, T, D], mask [B, T] -> hidden [B, T, D] and `cache` (empty,
         at least T positions) holding their keys, with lengths = the real tokens of each row."""
+        self._check_memory(cache.memory)
         B, T, _ = x.shape
         positions = jnp.broadcast_to(jnp.arange(T), (B, T))
-        hidden, layers = self._run(x, mask, positions, None, cache.layers, True)
-        return hidden, Cache(layers, mask.sum(-1, dtype=jnp.int32))
+        hidden, layers = self._run(x, mask, positions, None, cache.layers, True, cache.memory)
+        return hidden, Cache(layers, mask.sum(-1, dtype=jnp.int32), cache.memory)
 
     def extend(self, x: jax.Array, cache: Cache) -> tuple[jax.Array, Cache]:
         """New tokens x [B, T, D] that follow each row's cached ones -> hidden [B, T, D] and the
         cache holding them too. Row b's tokens take positions lengths[b] .. lengths[b] + T - 1."""
+        self._check_memory(cache.memory)
         B, T, _ = x.shape
         positions = cache.lengths[:, None] + jnp.arange(T)[None, :]
-        hidden, layers = self._run(x, None, positions, None, cache.layers, False)
-        return hidden, Cache(layers, cache.lengths + T)
+        hidden, layers = self._run(x, None, positions, None, cache.layers, False, cache.memory)
+        return hidden, Cache(layers, cache.lengths + T, cache.memory)
 
-    def _run(self, x, mask, positions, dropout_key, caches, prefill):
+    def _check_memory(self, memory) -> None:
+        if (memory is None) == self.cross_attention:
+            raise ValueError(
+                "A body with cross-attention needs a memory; one without takes none"
+                f" (cross_attention={self.cross_attention}, memory given: {memory is not None})."
+            )
+
+    def _run(self, x, mask, positions, dropout_key, caches, prefill, memory=None, memory_mask=None):
+        """`memory` is the encoder's outputs [B, S, D] with `memory_mask` (training), or a
+        `Memory` with each layer's keys and values (decoding); None without cross-attention."""
         if self.position_embedding is not None:
             x = x + self.position_embedding(positions).astype(x.dtype)
         x = dropout(x, self.config.dropout, dropout_key)
@@ -262,10 +358,12 @@ class Transformer(nnx.Module):
         for i, block in enumerate(self.blocks):
             if caches is None:
                 key = None if dropout_key is None else jax.random.fold_in(dropout_key, i + 1)
-                x, _ = self.apply_block(block, x, mask, positions, key)
+                x, _ = self.apply_block(block, x, mask, positions, key, memory, memory_mask)
             else:
                 # No backward pass when decoding, so nothing to rematerialize.
-                x, layer = block(x, mask, positions, None, caches[i], prefill)
+                layer_memory = None if memory is None else memory.layers[i]
+                mask_memory = None if memory is None else memory.mask
+                x, layer = block(x, mask, positions, None, layer_memory, mask_memory, caches[i], prefill)
                 layers.append(layer)
         return self.final_norm(x), None if caches is None else tuple(layers)
 
