@@ -6,21 +6,29 @@ The source front end maps (`inputs`, `mask`) to vectors and a mask, which a bidi
 built with `cross_attention=True` runs over them and over the memory; the head maps its states
 to the task's outputs, which the loss compares with `targets` (see core/task.py for the keys).
 
-Decoding lives with the rest of generation in core/generate.py (`encode_prefill`,
-`encoder_decoder_step`, `generate_from_source`, `generate_beams_from_source`): the source is
-encoded once, every decoder layer's keys and values of the memory are projected once into the
-cache, and the decoder then runs one token at a time like a decoder-only model.
+Decoding (`generate_from_source`, `generate_beams_from_source`) runs core/generate.py's `sample`
+and `beam_search` with this model's own decode step: `encode_prefill` encodes the sources once,
+projects every decoder layer's keys and values of the memory once into the cache and feeds the
+beginning-of-sequence token; `encoder_decoder_step` then runs one target token at a time.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
+from core.beam import Beams, beam_search
 from core.config import ModelConfig
-from core.transformer import Transformer
+from core.errors import UserError
+from core.generate import COMPILER_OPTIONS, Generation, OnTokens, Sampling, logits_of, sample
+from core.transformer import Cache, Transformer
 
 
 class EncoderDecoder(nnx.Module):
@@ -87,3 +95,124 @@ class EncoderDecoder(nnx.Module):
         x, mask = self.target_embedder(batch["decoder_inputs"], batch["decoder_mask"])
         hidden = self.decoder(x, mask, memory=memory, memory_mask=memory_mask, dropout_key=keys[1])
         return self.head(hidden, mask)
+
+
+def encode_prefill(
+    model: EncoderDecoder, source_inputs: jax.Array, source_mask: jax.Array, bos: int, max_len: int
+) -> tuple[jax.Array, Cache]:
+    """Sources (front-end inputs [B, S, ...] and mask [B, S]) through the encoder once, every
+    decoder layer's keys and values of the memory into a new cache of `max_len` target
+    positions, then the `bos` token: -> (logits [B, V] for the first target token, the cache)."""
+    memory, memory_mask = model.encode(source_inputs, source_mask)
+    encoder = model.encoder.config
+    if encoder.positions == "learned" and memory.shape[1] > encoder.max_len:
+        raise UserError(f"Sources of {memory.shape[1]} positions exceed the encoder's max_len={encoder.max_len}.")
+    B = memory.shape[0]
+    cache = model.decoder.init_cache(B, max_len, memory.dtype, model.decoder.project_memory(memory, memory_mask))
+    return encoder_decoder_step(model, cache, jnp.full((B,), bos, jnp.int32))
+
+
+def encoder_decoder_step(model: EncoderDecoder, cache: Cache, tokens: jax.Array) -> tuple[jax.Array, Cache]:
+    """The decode step of an encoder-decoder: one target token per row [B] after its cached
+    ones, attending to the memory in the cache -> (logits [B, V], the cache)."""
+    x, _ = model.target_embedder(tokens[:, None], jnp.ones((tokens.shape[0], 1), bool))
+    hidden, cache = model.decoder.extend(x, cache)
+    return logits_of(model, hidden), cache
+
+
+def generate_from_source(
+    model: EncoderDecoder,
+    sources: Sequence[Any],
+    *,
+    max_new_tokens: int,
+    bos: int,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    stop_tokens: Sequence[int] = (),
+    seed: int | jax.Array = 0,
+    on_tokens: OnTokens | None = None,
+) -> Generation:
+    """Target tokens for each source (token ids, or an array [S, F] of features for the source
+    front end; lengths may differ), starting after `bos`; the other settings as in `generate`.
+    Compiled once per shape and settings."""
+    sampling = Sampling(
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        stop_tokens=tuple(int(t) for t in stop_tokens),
+    )
+    inputs, mask = prepare_sources(model, sources, max_new_tokens)
+    key = jax.random.key(seed) if isinstance(seed, (int, np.integer)) else seed
+    graphdef, params = nnx.split(model)
+    new, counts = _source_sample_program(graphdef, sampling, int(bos), on_tokens, params, inputs, mask, key)
+    return Generation(np.asarray(new), np.asarray(counts))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), compiler_options=COMPILER_OPTIONS)
+def _source_sample_program(graphdef, sampling, bos, on_tokens, params, inputs, mask, key):
+    model = nnx.merge(graphdef, params)
+    logits, cache = encode_prefill(model, inputs, mask, bos, sampling.max_new_tokens)
+    return sample(functools.partial(encoder_decoder_step, model), cache, logits, key, sampling, on_tokens)
+
+
+def generate_beams_from_source(
+    model: EncoderDecoder,
+    sources: Sequence[Any],
+    *,
+    beam_size: int,
+    max_new_tokens: int,
+    bos: int,
+    stop_tokens: Sequence[int] = (),
+    length_penalty: float = 0.6,
+) -> Beams:
+    """Beam search targets for each source (see `generate_from_source` and
+    `core.beam.beam_search`): -> `Beams` of [B, W, max_new_tokens] tokens, best first, as numpy."""
+    if beam_size < 1:
+        raise UserError(f"beam_size={beam_size} must be at least 1.")
+    inputs, mask = prepare_sources(model, sources, max_new_tokens)
+    graphdef, params = nnx.split(model)
+    settings = (beam_size, max_new_tokens, int(bos), tuple(int(t) for t in stop_tokens), float(length_penalty))
+    return Beams(*(np.asarray(x) for x in _source_beam_program(graphdef, settings, params, inputs, mask)))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), compiler_options=COMPILER_OPTIONS)
+def _source_beam_program(graphdef, settings, params, inputs, mask):
+    beam_size, max_new_tokens, bos, stop_tokens, length_penalty = settings
+    model = nnx.merge(graphdef, params)
+    logits, cache = encode_prefill(model, inputs, mask, bos, max_new_tokens)
+    return beam_search(
+        functools.partial(encoder_decoder_step, model),
+        cache,
+        logits,
+        beam_size=beam_size,
+        max_new_tokens=max_new_tokens,
+        stop_tokens=stop_tokens,
+        length_penalty=length_penalty,
+    )
+
+
+def prepare_sources(
+    model: EncoderDecoder, sources: Sequence[Any], max_new_tokens: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Right-padded sources [B, S, ...] (token ids as int32) and their mask [B, S], checked: the
+    decoder's positions (`bos` and the new tokens but the last) must fit its max_len."""
+    if not isinstance(model, EncoderDecoder):
+        raise UserError(f"Generation from sources needs an EncoderDecoder, not a {type(model).__name__}.")
+    if max_new_tokens < 1:
+        raise UserError(f"max_new_tokens={max_new_tokens} must be at least 1.")
+    if max_new_tokens > model.decoder.config.max_len:
+        raise UserError(
+            f"max_new_tokens={max_new_tokens} exceeds the decoder's max_len={model.decoder.config.max_len} positions."
+        )
+    rows = [np.asarray(source) for source in sources]
+    if not rows or any(len(row) == 0 for row in rows):
+        raise UserError("Every source needs at least one position.")
+    rows = [row.astype(np.int32) if np.issubdtype(row.dtype, np.integer) else row for row in rows]
+    length = max(len(row) for row in rows)
+    inputs = np.zeros((len(rows), length, *rows[0].shape[1:]), rows[0].dtype)
+    mask = np.zeros((len(rows), length), bool)
+    for index, row in enumerate(rows):
+        inputs[index, : len(row)], mask[index, : len(row)] = row, True
+    return inputs, mask

@@ -15,10 +15,8 @@ prompts of different lengths, prefill the preallocated cache with the training k
 decode, each row at its own positions. `use_cache=False` recomputes the full forward over the
 sequence so far at every token instead (a baseline for `apps bench decode`).
 
-For an `EncoderDecoder`, `generate_from_source` and `generate_beams_from_source` do the same from
-sources: `encode_prefill` encodes them once, projects every decoder layer's keys and values of
-the memory once into the decoder's cache and feeds the beginning-of-sequence token;
-`encoder_decoder_step` is then the decode step, and `sample` and `beam_search` run unchanged.
+An `EncoderDecoder` decodes through the same `sample` and `beam_search` with its own step
+(core/encoder_decoder.py: `generate_from_source`, `generate_beams_from_source`).
 """
 
 from __future__ import annotations
@@ -36,7 +34,6 @@ from flax import nnx
 from jax.experimental import io_callback
 
 from core.beam import Beams, beam_search
-from core.encoder_decoder import EncoderDecoder
 from core.errors import UserError
 from core.heads import Projection
 from core.transformer import Cache, Model
@@ -86,7 +83,7 @@ class Generation(NamedTuple):
     lengths: np.ndarray
 
 
-def filter_logits(logits: jax.Array, top_k: int | None, top_p: float | None) -> jax.Array:
+def filterlogits_of(logits: jax.Array, top_k: int | None, top_p: float | None) -> jax.Array:
     """logits [B, V] with -inf outside the top-k tokens and then outside the nucleus: the most
     likely tokens whose probabilities, in decreasing order, first sum to at least `top_p`. Tokens
     tied with the least likely kept one are kept too."""
@@ -107,7 +104,7 @@ def choose(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
     """The next token of each row [B] from logits [B, V]."""
     if sampling.temperature == 0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = filter_logits(logits / sampling.temperature, sampling.top_k, sampling.top_p)
+    logits = filterlogits_of(logits / sampling.temperature, sampling.top_k, sampling.top_p)
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
@@ -150,7 +147,7 @@ def prefill(model: Model, tokens: jax.Array, lengths: jax.Array, max_len: int) -
     B, T = tokens.shape
     x, mask = model.embedder(tokens, jnp.arange(T)[None, :] < lengths[:, None])
     hidden, cache = model.body.prefill(x, mask, model.body.init_cache(B, max_len, x.dtype))
-    return _logits(model, _last(hidden, lengths)), cache
+    return logits_of(model, _last(hidden, lengths)), cache
 
 
 def extend(model: Model, cache: Cache, tokens: jax.Array) -> tuple[jax.Array, Cache]:
@@ -160,7 +157,7 @@ def extend(model: Model, cache: Cache, tokens: jax.Array) -> tuple[jax.Array, Ca
     """
     x, _ = model.embedder(tokens[:, None], jnp.ones((tokens.shape[0], 1), bool))
     hidden, cache = model.body.extend(x, cache)
-    return _logits(model, hidden), cache
+    return logits_of(model, hidden), cache
 
 
 def prefill_buffer(model: Model, tokens: jax.Array, lengths: jax.Array, max_len: int) -> tuple[jax.Array, State]:
@@ -179,7 +176,7 @@ def recompute(model: Model, state: State, tokens: jax.Array) -> tuple[jax.Array,
 
 def _forward(model: Model, buffer: jax.Array, lengths: jax.Array) -> jax.Array:
     x, mask = model.embedder(buffer, jnp.arange(buffer.shape[1])[None, :] < lengths[:, None])
-    return _logits(model, _last(model.body(x, mask), lengths))
+    return logits_of(model, _last(model.body(x, mask), lengths))
 
 
 def _last(hidden: jax.Array, lengths: jax.Array) -> jax.Array:
@@ -187,7 +184,7 @@ def _last(hidden: jax.Array, lengths: jax.Array) -> jax.Array:
     return jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)
 
 
-def _logits(model: Model, hidden: jax.Array) -> jax.Array:
+def logits_of(model: Model, hidden: jax.Array) -> jax.Array:
     """The head at one position per row: hidden [B, 1, D] -> logits [B, V] in float32."""
     outputs = model.head(hidden, jnp.ones(hidden.shape[:2], bool))
     if isinstance(outputs, Projection):
@@ -309,124 +306,3 @@ def prepare_prompts(
     for index, row in enumerate(rows):
         tokens[index, : len(row)] = row
     return tokens, lengths
-
-
-def encode_prefill(
-    model: EncoderDecoder, source_inputs: jax.Array, source_mask: jax.Array, bos: int, max_len: int
-) -> tuple[jax.Array, Cache]:
-    """Sources (front-end inputs [B, S, ...] and mask [B, S]) through the encoder once, every
-    decoder layer's keys and values of the memory into a new cache of `max_len` target
-    positions, then the `bos` token: -> (logits [B, V] for the first target token, the cache)."""
-    memory, memory_mask = model.encode(source_inputs, source_mask)
-    encoder = model.encoder.config
-    if encoder.positions == "learned" and memory.shape[1] > encoder.max_len:
-        raise UserError(f"Sources of {memory.shape[1]} positions exceed the encoder's max_len={encoder.max_len}.")
-    B = memory.shape[0]
-    cache = model.decoder.init_cache(B, max_len, memory.dtype, model.decoder.project_memory(memory, memory_mask))
-    return encoder_decoder_step(model, cache, jnp.full((B,), bos, jnp.int32))
-
-
-def encoder_decoder_step(model: EncoderDecoder, cache: Cache, tokens: jax.Array) -> tuple[jax.Array, Cache]:
-    """The decode step of an encoder-decoder: one target token per row [B] after its cached
-    ones, attending to the memory in the cache -> (logits [B, V], the cache)."""
-    x, _ = model.target_embedder(tokens[:, None], jnp.ones((tokens.shape[0], 1), bool))
-    hidden, cache = model.decoder.extend(x, cache)
-    return _logits(model, hidden), cache
-
-
-def generate_from_source(
-    model: EncoderDecoder,
-    sources: Sequence[Any],
-    *,
-    max_new_tokens: int,
-    bos: int,
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    stop_tokens: Sequence[int] = (),
-    seed: int | jax.Array = 0,
-    on_tokens: OnTokens | None = None,
-) -> Generation:
-    """Target tokens for each source (token ids, or an array [S, F] of features for the source
-    front end; lengths may differ), starting after `bos`; the other settings as in `generate`.
-    Compiled once per shape and settings."""
-    sampling = Sampling(
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        stop_tokens=tuple(int(t) for t in stop_tokens),
-    )
-    inputs, mask = prepare_sources(model, sources, max_new_tokens)
-    key = jax.random.key(seed) if isinstance(seed, (int, np.integer)) else seed
-    graphdef, params = nnx.split(model)
-    new, counts = _source_sample_program(graphdef, sampling, int(bos), on_tokens, params, inputs, mask, key)
-    return Generation(np.asarray(new), np.asarray(counts))
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), compiler_options=COMPILER_OPTIONS)
-def _source_sample_program(graphdef, sampling, bos, on_tokens, params, inputs, mask, key):
-    model = nnx.merge(graphdef, params)
-    logits, cache = encode_prefill(model, inputs, mask, bos, sampling.max_new_tokens)
-    return sample(functools.partial(encoder_decoder_step, model), cache, logits, key, sampling, on_tokens)
-
-
-def generate_beams_from_source(
-    model: EncoderDecoder,
-    sources: Sequence[Any],
-    *,
-    beam_size: int,
-    max_new_tokens: int,
-    bos: int,
-    stop_tokens: Sequence[int] = (),
-    length_penalty: float = 0.6,
-) -> Beams:
-    """Beam search targets for each source (see `generate_from_source` and
-    `core.beam.beam_search`): -> `Beams` of [B, W, max_new_tokens] tokens, best first, as numpy."""
-    if beam_size < 1:
-        raise UserError(f"beam_size={beam_size} must be at least 1.")
-    inputs, mask = prepare_sources(model, sources, max_new_tokens)
-    graphdef, params = nnx.split(model)
-    settings = (beam_size, max_new_tokens, int(bos), tuple(int(t) for t in stop_tokens), float(length_penalty))
-    return Beams(*(np.asarray(x) for x in _source_beam_program(graphdef, settings, params, inputs, mask)))
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1), compiler_options=COMPILER_OPTIONS)
-def _source_beam_program(graphdef, settings, params, inputs, mask):
-    beam_size, max_new_tokens, bos, stop_tokens, length_penalty = settings
-    model = nnx.merge(graphdef, params)
-    logits, cache = encode_prefill(model, inputs, mask, bos, max_new_tokens)
-    return beam_search(
-        functools.partial(encoder_decoder_step, model),
-        cache,
-        logits,
-        beam_size=beam_size,
-        max_new_tokens=max_new_tokens,
-        stop_tokens=stop_tokens,
-        length_penalty=length_penalty,
-    )
-
-
-def prepare_sources(
-    model: EncoderDecoder, sources: Sequence[Any], max_new_tokens: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """Right-padded sources [B, S, ...] (token ids as int32) and their mask [B, S], checked: the
-    decoder's positions (`bos` and the new tokens but the last) must fit its max_len."""
-    if not isinstance(model, EncoderDecoder):
-        raise UserError(f"Generation from sources needs an EncoderDecoder, not a {type(model).__name__}.")
-    if max_new_tokens < 1:
-        raise UserError(f"max_new_tokens={max_new_tokens} must be at least 1.")
-    if max_new_tokens > model.decoder.config.max_len:
-        raise UserError(
-            f"max_new_tokens={max_new_tokens} exceeds the decoder's max_len={model.decoder.config.max_len} positions."
-        )
-    rows = [np.asarray(source) for source in sources]
-    if not rows or any(len(row) == 0 for row in rows):
-        raise UserError("Every source needs at least one position.")
-    rows = [row.astype(np.int32) if np.issubdtype(row.dtype, np.integer) else row for row in rows]
-    length = max(len(row) for row in rows)
-    inputs = np.zeros((len(rows), length, *rows[0].shape[1:]), rows[0].dtype)
-    mask = np.zeros((len(rows), length), bool)
-    for index, row in enumerate(rows):
-        inputs[index, : len(row)], mask[index, : len(row)] = row, True
-    return inputs, mask

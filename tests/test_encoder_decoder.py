@@ -16,15 +16,15 @@ from flax import nnx
 from core import losses
 from core.attention import attention, library_arguments, memory_attention
 from core.config import Config, ModelConfig
-from core.encoder_decoder import EncoderDecoder
-from core.errors import UserError
-from core.generate import (
+from core.encoder_decoder import (
+    EncoderDecoder,
     encode_prefill,
     encoder_decoder_step,
     generate_beams_from_source,
     generate_from_source,
     prepare_sources,
 )
+from core.errors import UserError
 from core.heads import TiedOutput, TokenEmbedder
 from core.task import Task
 from core.train import build_model
