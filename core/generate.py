@@ -83,7 +83,7 @@ class Generation(NamedTuple):
     lengths: np.ndarray
 
 
-def filterlogits_of(logits: jax.Array, top_k: int | None, top_p: float | None) -> jax.Array:
+def filter_logits(logits: jax.Array, top_k: int | None, top_p: float | None) -> jax.Array:
     """logits [B, V] with -inf outside the top-k tokens and then outside the nucleus: the most
     likely tokens whose probabilities, in decreasing order, first sum to at least `top_p`. Tokens
     tied with the least likely kept one are kept too."""
@@ -104,7 +104,7 @@ def choose(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
     """The next token of each row [B] from logits [B, V]."""
     if sampling.temperature == 0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = filterlogits_of(logits / sampling.temperature, sampling.top_k, sampling.top_p)
+    logits = filter_logits(logits / sampling.temperature, sampling.top_k, sampling.top_p)
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 

@@ -209,3 +209,8 @@ def predict_loaded(
         arrays = featurizer(examples)
         _, predictions = evaluate_arrays(loaded.steps, loaded.params, arrays, task.config.train.eval_batch_size)
     return task.render(predictions, examples, featurizer)
+
+
+def report(workdir: str | Path) -> dict[str, Any]:
+    """The best step of the run in `workdir` with its validation metrics; draws `workdir/curves.png`."""
+    return report_lib.report(workdir)

@@ -116,6 +116,7 @@ def test_throughput_counts_steps_alone(tmp_path, monkeypatch):
     assert len(rates) == 4 and min(rates) > 1.0, rates
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_from_its_last_complete_checkpoint(tmp_path):
     options = ["train.steps=300", "train.checkpoint_every=50", "train.eval_every=50", "train.log_every=10"]
     command = [sys.executable, "-m", "cli", "train", "sentiment", "--preset", "tiny", "--data", "synthetic"]

@@ -47,6 +47,7 @@ def page_faults(mode: str, **environment: str) -> int:
     return int(result.stdout.split()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc settings")
 def test_repeated_executions_stop_faulting_in_fresh_pages():
     buffer_pages = 8192 * 2048 * 4 // 4096

@@ -10,7 +10,8 @@ from typer.testing import CliRunner
 
 from cli import app
 from core import run
-from tasks.nlp.lm import LMFeaturizer, LMTask, characters, tiny
+from core.errors import UserError
+from tasks.nlp.lm import LanguageModel, LMFeaturizer, LMTask, characters, tiny
 from tasks.nlp.tokenizer import BOS, EOS, PAD
 
 runner = CliRunner()
@@ -102,6 +103,17 @@ def test_streamed_continuation_is_the_tabled_one(trained):
     # The terminal shows the prompt and then, piece by piece, exactly the continuation.
     assert streamed.output == "The cat" + rows[0]["continuation"] + "\n"
     assert rows[0]["continuation"].startswith(" ")  # a new word after the prompt keeps its space
+
+
+def test_python_generation_on_a_loaded_run(trained):
+    model = LanguageModel(trained)
+    texts = model.generate(["The cat", "The dogs"], max_new_tokens=12, temperature=0)
+    rows = run.predict(LMTask, trained, ["The cat", "The dogs"], {"--max-new-tokens": "12", "--temperature": "0"})
+    assert texts == [row["continuation"] for row in rows]
+    # Beam search goes through the same call (its quality is tested in test_generate).
+    assert len(model.generate(["The cat"], max_new_tokens=8, beams=2)) == 1
+    with pytest.raises(UserError, match="Unknown generation options \\['temp'\\]"):
+        model.generate(["The cat"], temp=0.5)
 
 
 def test_generation_mistakes_are_named(trained, tmp_path):

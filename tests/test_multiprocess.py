@@ -50,6 +50,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_processes_match_one(tmp_path):
     task = SentimentTask(config=tiny(), data="synthetic")
     task.fit_featurizer(task.examples("train")).save(tmp_path)

@@ -262,6 +262,32 @@ class LMTask(Task):
         return [{"prompt": e["text"], "continuation": text} for e, text in zip(examples, predictions["text"])]
 
 
+class LanguageModel:
+    """A trained lm workdir loaded once, for Python prototypes:
+
+    from tasks.nlp.lm import LanguageModel
+    model = LanguageModel("runs/lm")
+    model.generate(["To be, or not"], max_new_tokens=40, temperature=0.8, top_p=0.95)  # [continuation]
+    """
+
+    def __init__(self, workdir: str | Path):
+        from core import run
+
+        self.loaded = run.load(LMTask, workdir)
+        self.model = nnx.merge(self.loaded.steps.graphdef, self.loaded.params)
+
+    def generate(self, prompts: Sequence[str], **options) -> list[str]:
+        """The continuation of each prompt; `options` are `apps predict lm`'s, by name
+        (max_new_tokens, temperature, top_k, top_p, beams, length_penalty, seed)."""
+        defaults = {option.name: option.default for option in LMTask.predict_options}
+        unknown = sorted(set(options) - set(defaults))
+        if unknown:
+            raise UserError(f"Unknown generation options {unknown}; the options are {', '.join(defaults)}.")
+        task = self.loaded.task
+        examples = task.parse_inputs(prompts, {})
+        return task.generate(self.model, self.loaded.featurizer, examples, {**defaults, **options})["text"]
+
+
 def _scored(batch: dict) -> jax.Array:
     """Which predictions count: real targets of real rows (not the rows that pad a last batch)."""
     return batch["target_mask"] & (batch["weights"][:, None] > 0)
