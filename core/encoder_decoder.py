@@ -27,7 +27,7 @@ from flax import nnx
 from core.beam import Beams, beam_search
 from core.config import ModelConfig
 from core.errors import UserError
-from core.generate import COMPILER_OPTIONS, Generation, OnTokens, Sampling, logits_of, sample
+from core.generate import COMPILER_OPTIONS, Generation, OnTokens, beam_settings, logits_of, sample, sampling_and_key
 from core.transformer import Cache, Transformer
 
 
@@ -136,15 +136,8 @@ def generate_from_source(
     """Target tokens for each source (token ids, or an array [S, F] of features for the source
     front end; lengths may differ), starting after `bos`; the other settings as in `generate`.
     Compiled once per shape and settings."""
-    sampling = Sampling(
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        stop_tokens=tuple(int(t) for t in stop_tokens),
-    )
+    sampling, key = sampling_and_key(max_new_tokens, temperature, top_k, top_p, stop_tokens, seed)
     inputs, mask = prepare_sources(model, sources, max_new_tokens)
-    key = jax.random.key(seed) if isinstance(seed, (int, np.integer)) else seed
     graphdef, params = nnx.split(model)
     new, counts = _source_sample_program(graphdef, sampling, int(bos), on_tokens, params, inputs, mask, key)
     return Generation(np.asarray(new), np.asarray(counts))
@@ -169,17 +162,15 @@ def generate_beams_from_source(
 ) -> Beams:
     """Beam search targets for each source (see `generate_from_source` and
     `core.beam.beam_search`): -> `Beams` of [B, W, max_new_tokens] tokens, best first, as numpy."""
-    if beam_size < 1:
-        raise UserError(f"beam_size={beam_size} must be at least 1.")
+    settings = beam_settings(beam_size, max_new_tokens, stop_tokens, length_penalty)
     inputs, mask = prepare_sources(model, sources, max_new_tokens)
     graphdef, params = nnx.split(model)
-    settings = (beam_size, max_new_tokens, int(bos), tuple(int(t) for t in stop_tokens), float(length_penalty))
-    return Beams(*(np.asarray(x) for x in _source_beam_program(graphdef, settings, params, inputs, mask)))
+    return Beams(*(np.asarray(x) for x in _source_beam_program(graphdef, settings, int(bos), params, inputs, mask)))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), compiler_options=COMPILER_OPTIONS)
-def _source_beam_program(graphdef, settings, params, inputs, mask):
-    beam_size, max_new_tokens, bos, stop_tokens, length_penalty = settings
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), compiler_options=COMPILER_OPTIONS)
+def _source_beam_program(graphdef, settings, bos, params, inputs, mask):
+    beam_size, max_new_tokens, stop_tokens, length_penalty = settings
     model = nnx.merge(graphdef, params)
     logits, cache = encode_prefill(model, inputs, mask, bos, max_new_tokens)
     return beam_search(

@@ -209,6 +209,22 @@ def generate(
     `max_new_tokens`; see `Sampling` for the choice of tokens. A row stops after its first stop
     token. `seed` is an int or a `jax.random` key. `on_tokens(tokens [B], active [B])` streams
     each step's tokens to the host as they come. Compiled once per shape and settings."""
+    sampling, key = sampling_and_key(max_new_tokens, temperature, top_k, top_p, stop_tokens, seed)
+    tokens, lengths = prepare_prompts(model, prompts, max_new_tokens)
+    graphdef, params = nnx.split(model)
+    new, counts = _sample_program(graphdef, sampling, on_tokens, use_cache, params, tokens, lengths, key)
+    return Generation(np.asarray(new), np.asarray(counts))
+
+
+def sampling_and_key(
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    stop_tokens: Sequence[int],
+    seed: int | jax.Array,
+) -> tuple[Sampling, jax.Array]:
+    """`sample`'s settings, checked, and the random key, from the arguments of the generators."""
     sampling = Sampling(
         max_new_tokens=max_new_tokens,
         temperature=temperature,
@@ -216,11 +232,16 @@ def generate(
         top_p=top_p,
         stop_tokens=tuple(int(t) for t in stop_tokens),
     )
-    tokens, lengths = prepare_prompts(model, prompts, max_new_tokens)
-    key = jax.random.key(seed) if isinstance(seed, (int, np.integer)) else seed
-    graphdef, params = nnx.split(model)
-    new, counts = _sample_program(graphdef, sampling, on_tokens, use_cache, params, tokens, lengths, key)
-    return Generation(np.asarray(new), np.asarray(counts))
+    return sampling, jax.random.key(seed) if isinstance(seed, (int, np.integer)) else seed
+
+
+def beam_settings(
+    beam_size: int, max_new_tokens: int, stop_tokens: Sequence[int], length_penalty: float
+) -> tuple[int, int, tuple[int, ...], float]:
+    """`beam_search`'s settings, checked and hashable (they are static arguments of a jit)."""
+    if beam_size < 1:
+        raise UserError(f"beam_size={beam_size} must be at least 1.")
+    return beam_size, max_new_tokens, tuple(int(t) for t in stop_tokens), float(length_penalty)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), compiler_options=COMPILER_OPTIONS)
@@ -242,11 +263,9 @@ def generate_beams(
 ) -> Beams:
     """Beam search continuations of each prompt (see `core.beam.beam_search`): -> `Beams` with
     tokens [B, W, max_new_tokens], lengths [B, W] and scores [B, W], best first, as numpy."""
-    if beam_size < 1:
-        raise UserError(f"beam_size={beam_size} must be at least 1.")
+    settings = beam_settings(beam_size, max_new_tokens, stop_tokens, length_penalty)
     tokens, lengths = prepare_prompts(model, prompts, max_new_tokens)
     graphdef, params = nnx.split(model)
-    settings = (beam_size, max_new_tokens, tuple(int(t) for t in stop_tokens), float(length_penalty))
     return Beams(*(np.asarray(x) for x in _beam_program(graphdef, settings, params, tokens, lengths)))
 
 
