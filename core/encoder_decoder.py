@@ -170,18 +170,9 @@ def generate_beams_from_source(
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), compiler_options=COMPILER_OPTIONS)
 def _source_beam_program(graphdef, settings, bos, params, inputs, mask):
-    beam_size, max_new_tokens, stop_tokens, length_penalty = settings
     model = nnx.merge(graphdef, params)
-    logits, cache = encode_prefill(model, inputs, mask, bos, max_new_tokens)
-    return beam_search(
-        functools.partial(encoder_decoder_step, model),
-        cache,
-        logits,
-        beam_size=beam_size,
-        max_new_tokens=max_new_tokens,
-        stop_tokens=stop_tokens,
-        length_penalty=length_penalty,
-    )
+    logits, cache = encode_prefill(model, inputs, mask, bos, settings.max_new_tokens)
+    return beam_search(functools.partial(encoder_decoder_step, model), cache, logits, **settings._asdict())
 
 
 def prepare_sources(

@@ -235,13 +235,22 @@ def sampling_and_key(
     return sampling, jax.random.key(seed) if isinstance(seed, (int, np.integer)) else seed
 
 
+class BeamSettings(NamedTuple):
+    """`beam_search`'s keyword arguments, hashable: they are static arguments of a jit."""
+
+    beam_size: int
+    max_new_tokens: int
+    stop_tokens: tuple[int, ...]
+    length_penalty: float
+
+
 def beam_settings(
     beam_size: int, max_new_tokens: int, stop_tokens: Sequence[int], length_penalty: float
-) -> tuple[int, int, tuple[int, ...], float]:
-    """`beam_search`'s settings, checked and hashable (they are static arguments of a jit)."""
+) -> BeamSettings:
+    """`beam_search`'s settings, checked."""
     if beam_size < 1:
         raise UserError(f"beam_size={beam_size} must be at least 1.")
-    return beam_size, max_new_tokens, tuple(int(t) for t in stop_tokens), float(length_penalty)
+    return BeamSettings(beam_size, max_new_tokens, tuple(int(t) for t in stop_tokens), float(length_penalty))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), compiler_options=COMPILER_OPTIONS)
@@ -271,18 +280,9 @@ def generate_beams(
 
 @functools.partial(jax.jit, static_argnums=(0, 1), compiler_options=COMPILER_OPTIONS)
 def _beam_program(graphdef, settings, params, tokens, lengths):
-    beam_size, max_new_tokens, stop_tokens, length_penalty = settings
     model = nnx.merge(graphdef, params)
-    logits, cache = prefill(model, tokens, lengths, tokens.shape[1] + max_new_tokens)
-    return beam_search(
-        functools.partial(extend, model),
-        cache,
-        logits,
-        beam_size=beam_size,
-        max_new_tokens=max_new_tokens,
-        stop_tokens=stop_tokens,
-        length_penalty=length_penalty,
-    )
+    logits, cache = prefill(model, tokens, lengths, tokens.shape[1] + settings.max_new_tokens)
+    return beam_search(functools.partial(extend, model), cache, logits, **settings._asdict())
 
 
 def prepare_prompts(
