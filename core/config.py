@@ -81,6 +81,14 @@ class ModelConfig:
         return self.d_model // self.num_heads
 
 
+def modern_blocks(
+    d_model: int, num_layers: int, num_heads: int, mlp_dim: int, max_len: int, dropout: float, **more: Any
+) -> ModelConfig:
+    """A body of today's blocks (as in Llama): RMSNorm, SwiGLU, rotary positions."""
+    sizes = dict(d_model=d_model, num_layers=num_layers, num_heads=num_heads, mlp_dim=mlp_dim, max_len=max_len)
+    return ModelConfig(**sizes, dropout=dropout, norm="rmsnorm", mlp="swiglu", positions="rotary", **more)
+
+
 @dataclass(frozen=True, kw_only=True)
 class OptimConfig:
     """AdamW with linear warm-up, cosine decay and global-norm clipping."""

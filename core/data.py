@@ -50,26 +50,79 @@ def train_batches(
     seed: int,
     start_step: int = 0,
     augment: Callable[[Arrays, np.random.Generator], Arrays] | None = None,
+    trim: dict[str, tuple[str, ...]] | None = None,
 ) -> Iterator[Arrays]:
     """Global training batches from `start_step` on, forever, as this process's rows.
 
     `augment` (a task's random masking or negative sampling) sees each whole global batch with
     a generator seeded by (seed, step), so it too is reproduced exactly on resume.
+
+    `trim` ({mask key: the keys whose second axis that mask measures}, a task's `trim`) groups
+    rows of similar lengths into batches and cuts each batch to its longest row, rounded up to
+    a `bucket_width` so that few shapes compile: short pairs then cost what they hold, not the
+    featurizer's full width.
     """
     total = size(arrays)
     per_epoch = total // batch_size
     if per_epoch == 0:
         raise UserError(f"The training split has {total} examples, fewer than one batch of {batch_size}.")
-    step = start_step
+    lengths = sum(arrays[key].sum(1) for key in trim) if trim else None
+    step, epoch, order = start_step, None, None
     while True:
-        epoch, index = divmod(step, per_epoch)
-        order = np.random.default_rng(seed + epoch).permutation(total)
-        rows = np.sort(order[index * batch_size : (index + 1) * batch_size])
+        if step // per_epoch != epoch:
+            epoch = step // per_epoch
+            order = epoch_order(total, batch_size, np.random.default_rng(seed + epoch), lengths)
+        rows = np.sort(order[step % per_epoch])
         batch = take(arrays, rows)
+        if trim:
+            batch = trimmed(batch, trim)
         if augment is not None:
             batch = augment(batch, np.random.default_rng((seed, step)))
         yield process_rows(batch)
         step += 1
+
+
+# Rows are sorted by length within windows of this many batches, then the batches are
+# shuffled: batches of similar lengths, in a random order ("sortish" sampling).
+SORT_WINDOW = 64
+
+
+def bucket_width(length: int, cap: int) -> int:
+    """The padded width for `length` positions, at most `cap`: a multiple of 8 up to 32, then
+    the next of 48, 64, 96, 128, 192, ... (a third of padding at most): each width is a compiled
+    program, so there are few of them."""
+    width = 8 * -(-length // 8)
+    if width > 32:
+        width = 1 << (length - 1).bit_length()  # the next power of two
+        if 3 * width // 4 >= length:
+            width = 3 * width // 4
+    return max(1, min(width, cap))
+
+
+def epoch_order(total: int, batch_size: int, rng: np.random.Generator, lengths: np.ndarray | None) -> np.ndarray:
+    """The rows of each batch of one epoch [batches, B]: a permutation with the ragged tail
+    dropped, or with `lengths`, rows of similar lengths together and the batches shuffled."""
+    per_epoch = total // batch_size
+    order = rng.permutation(total)[: per_epoch * batch_size]
+    if lengths is None:
+        return order.reshape(per_epoch, batch_size)
+    window = SORT_WINDOW * batch_size
+    order = np.concatenate(
+        [part[np.argsort(lengths[part], kind="stable")] for part in np.split(order, range(window, len(order), window))]
+    )
+    return order.reshape(per_epoch, batch_size)[rng.permutation(per_epoch)]
+
+
+def trimmed(batch: Arrays, trim: dict[str, tuple[str, ...]]) -> Arrays:
+    """`batch` with each mask of `trim` and the arrays it measures cut to the longest row (rows
+    are real on the left), rounded up to its `bucket_width`."""
+    batch = dict(batch)
+    for mask_key, keys in trim.items():
+        mask = batch[mask_key]
+        keep = bucket_width(int(mask.sum(1).max()), mask.shape[1])
+        for key in (mask_key, *keys):
+            batch[key] = batch[key][:, :keep]
+    return batch
 
 
 def eval_batches(arrays: Arrays, batch_size: int) -> Iterator[Arrays]:

@@ -132,12 +132,14 @@ def generate_from_source(
     stop_tokens: Sequence[int] = (),
     seed: int | jax.Array = 0,
     on_tokens: OnTokens | None = None,
+    width: int | None = None,
 ) -> Generation:
     """Target tokens for each source (token ids, or an array [S, F] of features for the source
     front end; lengths may differ), starting after `bos`; the other settings as in `generate`.
-    Compiled once per shape and settings."""
+    Compiled once per shape and settings: `width` pads the sources to that many positions, so
+    that batches of different lengths can share one program."""
     sampling, key = sampling_and_key(max_new_tokens, temperature, top_k, top_p, stop_tokens, seed)
-    inputs, mask = prepare_sources(model, sources, max_new_tokens)
+    inputs, mask = prepare_sources(model, sources, max_new_tokens, width)
     graphdef, params = nnx.split(model)
     new, counts = _source_sample_program(graphdef, sampling, int(bos), on_tokens, params, inputs, mask, key)
     return Generation(np.asarray(new), np.asarray(counts))
@@ -159,11 +161,12 @@ def generate_beams_from_source(
     bos: int,
     stop_tokens: Sequence[int] = (),
     length_penalty: float = 0.6,
+    width: int | None = None,
 ) -> Beams:
     """Beam search targets for each source (see `generate_from_source` and
     `core.beam.beam_search`): -> `Beams` of [B, W, max_new_tokens] tokens, best first, as numpy."""
     settings = beam_settings(beam_size, max_new_tokens, stop_tokens, length_penalty)
-    inputs, mask = prepare_sources(model, sources, max_new_tokens)
+    inputs, mask = prepare_sources(model, sources, max_new_tokens, width)
     graphdef, params = nnx.split(model)
     return Beams(*(np.asarray(x) for x in _source_beam_program(graphdef, settings, int(bos), params, inputs, mask)))
 
@@ -176,10 +179,11 @@ def _source_beam_program(graphdef, settings, bos, params, inputs, mask):
 
 
 def prepare_sources(
-    model: EncoderDecoder, sources: Sequence[Any], max_new_tokens: int
+    model: EncoderDecoder, sources: Sequence[Any], max_new_tokens: int, width: int | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Right-padded sources [B, S, ...] (token ids as int32) and their mask [B, S], checked: the
-    decoder's positions (`bos` and the new tokens but the last) must fit its max_len."""
+    """Sources right-padded to the longest (or to `width`, which no source may exceed) [B, S,
+    ...] (token ids as int32) and their mask [B, S], checked: the decoder's positions (`bos` and
+    the new tokens but the last) must fit its max_len."""
     if not isinstance(model, EncoderDecoder):
         raise UserError(f"Generation from sources needs an EncoderDecoder, not a {type(model).__name__}.")
     if max_new_tokens < 1:
@@ -193,6 +197,10 @@ def prepare_sources(
         raise UserError("Every source needs at least one position.")
     rows = [row.astype(np.int32) if np.issubdtype(row.dtype, np.integer) else row for row in rows]
     length = max(len(row) for row in rows)
+    if width is not None:
+        if width < length:
+            raise UserError(f"A source of {length} positions exceeds the requested width={width}.")
+        length = width
     inputs = np.zeros((len(rows), length, *rows[0].shape[1:]), rows[0].dtype)
     mask = np.zeros((len(rows), length), bool)
     for index, row in enumerate(rows):

@@ -30,9 +30,15 @@ def cross_entropy(
 
 
 def linear_cross_entropy(
-    hidden: jax.Array, weight: jax.Array, targets: jax.Array, weights: jax.Array, chunk: int = 1024
+    hidden: jax.Array,
+    weight: jax.Array,
+    targets: jax.Array,
+    weights: jax.Array,
+    label_smoothing: float = 0.0,
+    chunk: int = 1024,
 ) -> tuple[jax.Array, jax.Array]:
-    """`cross_entropy(hidden @ weight.T, targets, weights)` without materializing the logits.
+    """`cross_entropy(hidden @ weight.T, targets, weights, label_smoothing)` without
+    materializing the logits.
 
     hidden [..., D], weight [V, D] (an output projection or a tied embedding table). Rows are
     processed `chunk` at a time, and each chunk's gradients with respect to `hidden` and
@@ -42,7 +48,8 @@ def linear_cross_entropy(
     D = hidden.shape[-1]
     flat_hidden, flat_targets = hidden.reshape(-1, D), targets.reshape(-1)
     flat_weights = weights.astype(jnp.float32).reshape(-1)
-    total = _fused_ce(flat_hidden, weight, flat_targets, flat_weights, min(chunk, flat_hidden.shape[0]))
+    chunk = min(chunk, flat_hidden.shape[0])
+    total = _fused_ce(flat_hidden, weight, flat_targets, flat_weights, float(label_smoothing), chunk)
     return total, flat_weights.sum()
 
 
@@ -52,31 +59,34 @@ def _chunks(x: jax.Array, chunk: int) -> jax.Array:
     return x.reshape(-1, chunk, *x.shape[1:])
 
 
-def _ce_chunk(h, weight, t, w, with_grads: bool):
+def _ce_chunk(h, weight, t, w, smoothing: float, with_grads: bool):
     logits = jnp.dot(h, weight.T.astype(h.dtype), preferred_element_type=jnp.float32)  # [K, V]
+    V = logits.shape[-1]
     lse = jax.nn.logsumexp(logits, axis=-1)
     picked = jnp.take_along_axis(logits, t[:, None], axis=-1)[:, 0]
-    loss = ((lse - picked) * w).sum()
+    # The target distribution (1 - s) one_hot(t) + s / V, as in `cross_entropy`.
+    loss = ((lse - (1 - smoothing) * picked - smoothing * logits.mean(-1)) * w).sum()
     if not with_grads:
         return loss, None, None
-    grad_logits = (jnp.exp(logits - lse[:, None]) - jax.nn.one_hot(t, logits.shape[-1])) * w[:, None]
+    labels = (1 - smoothing) * jax.nn.one_hot(t, V) + smoothing / V
+    grad_logits = (jnp.exp(logits - lse[:, None]) - labels) * w[:, None]
     grad_logits = grad_logits.astype(h.dtype)
     return loss, grad_logits @ weight.astype(h.dtype), grad_logits.T @ h
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _fused_ce(hidden, weight, targets, weights, chunk):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _fused_ce(hidden, weight, targets, weights, smoothing, chunk):
     def body(total, inputs):
-        return total + _ce_chunk(*inputs[:1], weight, *inputs[1:], with_grads=False)[0], None
+        return total + _ce_chunk(inputs[0], weight, inputs[1], inputs[2], smoothing, with_grads=False)[0], None
 
     inputs = (_chunks(hidden, chunk), _chunks(targets, chunk), _chunks(weights, chunk))
     return jax.lax.scan(body, jnp.zeros((), jnp.float32), inputs)[0]
 
 
-def _fused_ce_forward(hidden, weight, targets, weights, chunk):
+def _fused_ce_forward(hidden, weight, targets, weights, smoothing, chunk):
     def body(carry, inputs):
         total, grad_weight = carry
-        loss, grad_hidden, grad_w = _ce_chunk(inputs[0], weight, inputs[1], inputs[2], with_grads=True)
+        loss, grad_hidden, grad_w = _ce_chunk(inputs[0], weight, inputs[1], inputs[2], smoothing, with_grads=True)
         return (total + loss, grad_weight + grad_w.astype(jnp.float32)), grad_hidden
 
     inputs = (_chunks(hidden, chunk), _chunks(targets, chunk), _chunks(weights, chunk))
@@ -86,7 +96,7 @@ def _fused_ce_forward(hidden, weight, targets, weights, chunk):
     return total, (grad_hidden, grad_weight.astype(weight.dtype), targets, weights)
 
 
-def _fused_ce_backward(chunk, residuals, cotangent):
+def _fused_ce_backward(smoothing, chunk, residuals, cotangent):
     grad_hidden, grad_weight, targets, weights = residuals
     # A custom VJP must return cotangents in its inputs' dtypes (bf16 under bf16 compute); the
     # float32 loss cotangent would otherwise promote them.

@@ -171,6 +171,12 @@ def evaluate(
         loaded.steps, loaded.params, featurizer(examples), task.config.train.eval_batch_size
     )
     result: dict[str, Any] = {**streamed, **task.score(predictions, examples, featurizer)}
+    if task.evaluated_decodings:
+        model = nnx.merge(loaded.steps.graphdef, loaded.params)
+        defaults = read_predict_options(task.predict_options, {}, task.name)
+        for name, settings in task.evaluated_decodings.items():
+            generated = task.generate(model, featurizer, examples, {**defaults, **settings})
+            result[name] = task.score_generated(generated, examples, featurizer)
     result.update(task.protocol(), split=split, examples=len(examples), checkpoint=loaded.checkpoint)
     if baselines:
         result["baselines"] = task.baselines(_examples(task, "train"), examples, featurizer)

@@ -169,6 +169,22 @@ class Task(Protocol):
         text piece by piece as it is produced, for a terminal to stream."""
         raise NotImplementedError(f"{self.name} does not generate.")
 
+    # Named decodings, as values of `predict_options` ({"greedy": {"beams": 1}, "beam": {"beams":
+    # 4}}), under which `apps eval` generates for the split and reports `score_generated` side by
+    # side. Empty, the default: evaluation is the forward pass alone.
+    evaluated_decodings: ClassVar[dict[str, dict[str, Any]]] = {}
+
+    def score_generated(
+        self, generated: dict[str, Any], examples: Sequence[Example], featurizer: Featurizer
+    ) -> dict[str, float]:
+        """Host-side metrics of `generate`'s predictions against the examples' references."""
+        raise NotImplementedError(f"{self.name} does not score generated text.")
+
+    # Training batches of rows of similar lengths, cut to their longest row (core.data): {mask
+    # key: the keys whose second axis that mask measures}. Empty, the default: every batch keeps
+    # the featurizer's width.
+    trim: ClassVar[dict[str, tuple[str, ...]]] = {}
+
     def augment(self, batch: Batch, rng: np.random.Generator) -> Batch:
         """Applied to each global training batch with a generator seeded by (seed, step): random
         masking, negative sampling. The default leaves the batch as it is."""

@@ -211,10 +211,12 @@ def fit(
     counts = []  # (examples, tokens) of each global batch placed on the devices, in order
 
     def place(batch):
-        counts.append((len(batch["weights"]) * jax.process_count(), int(batch["mask"].sum()) * jax.process_count()))
+        # Tokens read: the inputs' and, for an encoder-decoder, the decoder's.
+        tokens = sum(int(batch[key].sum()) for key in ("mask", "decoder_mask") if key in batch)
+        counts.append((len(batch["weights"]) * jax.process_count(), tokens * jax.process_count()))
         return sharding.global_batch(steps.mesh, batch)
 
-    batches = data_lib.train_batches(train_arrays, train.batch_size, train.seed, start, task.augment)
+    batches = data_lib.train_batches(train_arrays, train.batch_size, train.seed, start, task.augment, task.trim)
     batches = data_lib.prefetch(batches, place)
     valid_metrics: dict[str, float] = {}
     saved = start if restored is not None else None  # the step of the newest checkpoint in `workdir`

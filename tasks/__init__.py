@@ -9,6 +9,8 @@ from core.errors import UserError
 REGISTRY = {
     "lm": "tasks.nlp.lm:LMTask",
     "sentiment": "tasks.nlp.sentiment:SentimentTask",
+    "translate": "tasks.nlp.translate:TranslateTask",
+    "summarize": "tasks.nlp.summarize:SummarizeTask",
     "recsys": "tasks.recsys.sequential:RecsysTask",
 }
 

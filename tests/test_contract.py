@@ -1,5 +1,6 @@
 """The task contract, run against every registered task on its synthetic split."""
 
+import dataclasses
 from itertools import islice
 
 import jax
@@ -47,7 +48,11 @@ def check_batch(arrays: dict) -> None:
     assert inputs.shape[:2] == mask.shape and inputs.ndim in (2, 3)
     assert np.issubdtype(inputs.dtype, np.integer if inputs.ndim == 2 else np.floating)
     targets = arrays["targets"]
-    assert np.issubdtype(targets.dtype, np.integer) and targets.shape in ((rows,), mask.shape)
+    # An encoder-decoder's targets follow the decoder's positions, others the inputs'.
+    target_positions = arrays["decoder_mask"].shape if "decoder_mask" in arrays else mask.shape
+    assert np.issubdtype(targets.dtype, np.integer) and targets.shape in ((rows,), target_positions)
+    if "decoder_mask" in arrays:
+        assert arrays["decoder_inputs"].shape == targets.shape and arrays["decoder_mask"].dtype == bool
     if "target_mask" in arrays:
         assert arrays["target_mask"].dtype == bool and arrays["target_mask"].shape == targets.shape
     assert arrays["weights"].dtype == np.float32 and arrays["weights"].shape == (rows,)
@@ -70,7 +75,9 @@ def test_trains_a_few_steps(setup, dtype):
     task = task_type(config=config, data="synthetic")
     compiled = make_steps(task, build_model(task, featurizer, config), config, 3)
     state, arrays = compiled.state, featurizer(train)
-    for step, local in enumerate(islice(data_lib.train_batches(arrays, 16, 0, augment=task.augment), 3)):
+    for step, local in enumerate(
+        islice(data_lib.train_batches(arrays, 16, 0, augment=task.augment, trim=task.trim), 3)
+    ):
         state, logs = compiled.train_step(state, sharding.global_batch(compiled.mesh, local))
         assert np.isfinite(float(logs["loss"])) and np.isfinite(float(logs["grad_norm"])), (dtype, step)
     for leaf in jax.tree.leaves(state["params"]):
@@ -90,6 +97,11 @@ def test_forward_loss_metrics_decode_score(setup):
     decoded = jax.tree.map(np.asarray, task.decode(outputs, batch))
     assert all(len(v) == data_lib.size(batch) for v in decoded.values())  # a row each (lm packs examples)
     scores = {**streamed, **task.score(decoded, examples, featurizer)}
+    if task.evaluated_decodings:
+        defaults = {option.name: option.default for option in task.predict_options}
+        for settings in task.evaluated_decodings.values():
+            generated = task.generate(model, featurizer, examples, {**defaults, **settings})
+            scores.update(task.score_generated(generated, examples, featurizer))
     assert set(task.metric_names) <= set(scores)
     if not task.generates:
         rows = task.render(decoded, examples, featurizer)
@@ -101,4 +113,8 @@ def test_every_preset_constructs(setup):
     for preset in task_type.presets.values():
         task = task_type(config=preset(), data="synthetic")
         model = build_model(task, task.fit_featurizer(train), task.config)
-        assert model.body.config == task.config.model
+        if hasattr(model, "encoder"):  # an encoder-decoder: the config's stacks, causal set per stack
+            assert model.encoder.config == dataclasses.replace(task.config.model, causal=False)
+            assert model.decoder.config.causal and model.decoder.cross_attention
+        else:
+            assert model.body.config == task.config.model

@@ -25,8 +25,8 @@ def test_label_smoothing_by_hand():
     assert float(total) == pytest.approx(-(0.1 * math.log(0.25) + 0.9 * math.log(0.75)), rel=1e-6)
 
 
-@pytest.mark.parametrize("chunk", [1, 7, 64])
-def test_linear_cross_entropy_matches_plain_form_and_gradients(chunk):
+@pytest.mark.parametrize("chunk,smoothing", [(1, 0.0), (7, 0.0), (64, 0.0), (7, 0.1)])
+def test_linear_cross_entropy_matches_plain_form_and_gradients(chunk, smoothing):
     rng = np.random.default_rng(0)
     hidden = jnp.asarray(rng.standard_normal((3, 11, 8), np.float32))
     weight = jnp.asarray(rng.standard_normal((40, 8), np.float32))
@@ -34,10 +34,10 @@ def test_linear_cross_entropy_matches_plain_form_and_gradients(chunk):
     weights = jnp.asarray(rng.random((3, 11)) > 0.3)
 
     def plain(h, w):
-        return losses.cross_entropy(jnp.einsum("BTD,VD->BTV", h, w), targets, weights)[0]
+        return losses.cross_entropy(jnp.einsum("BTD,VD->BTV", h, w), targets, weights, smoothing)[0]
 
     def fused(h, w):
-        return losses.linear_cross_entropy(h, w, targets, weights, chunk=chunk)[0]
+        return losses.linear_cross_entropy(h, w, targets, weights, smoothing, chunk=chunk)[0]
 
     np.testing.assert_allclose(fused(hidden, weight), plain(hidden, weight), rtol=1e-5)
     for a, b in zip(jax.grad(fused, (0, 1))(hidden, weight), jax.grad(plain, (0, 1))(hidden, weight)):

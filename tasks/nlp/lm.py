@@ -30,7 +30,7 @@ from flax import nnx
 
 from core import losses
 from core import metrics as metric_lib
-from core.config import Config, ModelConfig, OptimConfig, TrainConfig
+from core.config import Config, OptimConfig, TrainConfig, modern_blocks
 from core.errors import UserError
 from core.heads import Projection, TiedOutput, TokenEmbedder
 from core.task import PredictOption, Task
@@ -48,27 +48,11 @@ class LMData:
     ngram_order: int = 5
 
 
-def _decoder(d_model: int, num_layers: int, num_heads: int, mlp_dim: int, max_len: int, dropout: float):
-    """A modern decoder: RMSNorm, SwiGLU, rotary positions, causal."""
-    return ModelConfig(
-        d_model=d_model,
-        num_layers=num_layers,
-        num_heads=num_heads,
-        mlp_dim=mlp_dim,
-        max_len=max_len,
-        dropout=dropout,
-        norm="rmsnorm",
-        mlp="swiglu",
-        positions="rotary",
-        causal=True,
-    )
-
-
 def tiny() -> Config:
     return Config(
         task="lm",
         preset="tiny",
-        model=_decoder(32, 1, 2, 64, 32, 0.0),
+        model=modern_blocks(32, 1, 2, 64, 32, 0.0, causal=True),
         optim=OptimConfig(learning_rate=3e-3, warmup_steps=5, weight_decay=0.0),
         train=TrainConfig(batch_size=16, eval_batch_size=16, steps=20, eval_every=10, checkpoint_every=10, log_every=5),
         data=LMData(vocab_size=400),
@@ -82,7 +66,7 @@ def base() -> Config:
         # About 2 epochs of the 1.5M training pieces in 13 minutes here: the run is short of
         # compute, not data, so no dropout and a high learning rate (both beat dropout 0.1 and
         # 2e-3 on validation at 600 steps: 2.062 vs 2.154 bits per character).
-        model=_decoder(256, 4, 4, 704, 256, 0.0),
+        model=modern_blocks(256, 4, 4, 704, 256, 0.0, causal=True),
         optim=OptimConfig(learning_rate=3e-3, warmup_steps=100, weight_decay=0.1, b2=0.95),
         train=TrainConfig(
             batch_size=16, eval_batch_size=16, steps=700, eval_every=350, checkpoint_every=350, log_every=25

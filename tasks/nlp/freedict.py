@@ -1,0 +1,160 @@
+"""The English-German FreeDict dictionary (Debian's `dict-freedict-eng-deu`, from Ding): its
+usage examples as translation pairs, and its headwords as a word-by-word baseline.
+
+The dictionary is in dictd format: `freedict-eng-deu.dict.dz` (gzip text) holds one entry per
+headword sense, and `freedict-eng-deu.index` gives each entry's headword, byte offset and length
+(base64 numbers). An entry reads
+
+    house /hˈaʊs/
+    Haus <neut>
+          "build a house"  - ein Haus bauen
+          "take a lease on a house"  - ein Haus mieten
+     see: {houses}, {open house}
+
+the headword and pronunciation, the sense's translations (alternatives after commas, with
+grammar notes in <> and labels in [] or ()), then usage examples, one a line, quoted English,
+two spaces, a dash and the German. Ding writes alternatives inside a phrase with slashes
+("he/she has/had run" - "er/sie ist/war gelaufen"); examples keep the first of each, on both
+sides ("he has run" - "er ist gelaufen"), and the first of the German alternatives after commas
+(a German sentence is kept whole).
+"""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import re
+from pathlib import Path
+
+from core.errors import UserError
+
+PACKAGE = "dict-freedict-eng-deu"
+DICTIONARY = Path("/usr/share/dictd/freedict-eng-deu.dict.dz")
+INDEX = DICTIONARY.with_name("freedict-eng-deu.index")
+
+_EXAMPLE = re.compile(r'^\s+"(.+?)"  - (.+?)\s*$', re.M)
+_SLASHED = re.compile(r"(\w[\w'’.-]*?)(?:/[\w'’.-]*\w)+")
+_SENTENCE_ALTERNATIVES = re.compile(r"(?<=[.!?…])\s*,\s+")
+_ANNOTATION = re.compile(r"<[^<>]*>|\[[^\[\]]*\]|\{[^{}]*\}|\([^()]*\)")
+_BASE64 = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
+
+
+def missing_message(path: Path) -> str:
+    return (
+        f"{path} is missing: the translate task's default data ships in the Debian package {PACKAGE} "
+        f"(`sudo apt-get install {PACKAGE}`; `make install` does it when run as root). Or give your own "
+        "pairs with --data FILE (.tsv/.csv/.jsonl/.parquet with source and target columns)."
+    )
+
+
+def read(path: Path | None = None) -> bytes:
+    """The whole dictionary text (about 56 MB) as UTF-8 bytes; the installed one by default."""
+    return _read(path or DICTIONARY)
+
+
+@functools.cache
+def _read(path: Path) -> bytes:
+    if not path.is_file():
+        raise UserError(missing_message(path))
+    try:
+        return gzip.decompress(path.read_bytes())
+    except (OSError, EOFError) as error:
+        raise UserError(f"{path} is not a readable dictzip file ({error}); reinstall {PACKAGE}.") from None
+
+
+def first_alternatives(text: str) -> str:
+    """Each slashed alternative reduced to its first: "he/she has/had run" -> "he has run"."""
+    return _SLASHED.sub(r"\1", text)
+
+
+def first_translation(german: str) -> str:
+    """The first of the alternatives of an example's German side: a whole sentence when it is
+    one, else the text before the first comma."""
+    first = _SENTENCE_ALTERNATIVES.split(german)[0].strip()
+    if not first.endswith((".", "!", "?", "…", '"', "“", "”")):
+        first = first.split(", ")[0].strip()
+    return first
+
+
+def example_pairs(text: str) -> list[tuple[str, str]]:
+    """(English, German) of every usage example, in dictionary order, alternatives reduced."""
+    pairs = []
+    for english, german in _EXAMPLE.findall(text):
+        source, target = first_alternatives(english).strip(), first_alternatives(first_translation(german))
+        if source and target:
+            pairs.append((source, target))
+    return pairs
+
+
+def _number(text: str) -> int:
+    value = 0
+    for character in text:
+        value = value * 64 + _BASE64.index(character)
+    return value
+
+
+def senses(dictionary: Path | None = None, index: Path | None = None) -> dict[str, tuple[str, ...]]:
+    """One-word headword -> the first translation of each of its senses, in dictionary order
+    (of the installed dictionary by default)."""
+    return _senses(dictionary or DICTIONARY, index or INDEX)
+
+
+@functools.cache
+def _senses(dictionary: Path, index: Path) -> dict[str, tuple[str, ...]]:
+    if not index.is_file():
+        raise UserError(missing_message(index))
+    data = read(dictionary)
+    found: dict[str, list[str]] = {}
+    for line in index.read_text(encoding="utf-8").splitlines():
+        headword, _, rest = line.partition("\t")
+        if not headword or " " in headword or headword.startswith("00-database"):
+            continue
+        offset, _, length = rest.partition("\t")
+        start = _number(offset)
+        translation = first_sense(data[start : start + _number(length)].decode("utf-8", errors="replace"))
+        if translation and translation not in found.setdefault(headword, []):
+            found[headword].append(translation)
+    return {headword: tuple(translations) for headword, translations in found.items()}
+
+
+def first_sense(entry: str) -> str:
+    """The first translation of an entry's sense: its second line, labels and notes removed,
+    up to the first comma."""
+    lines = entry.split("\n")
+    if len(lines) < 2:
+        return ""
+    line, previous = lines[1], None
+    while line != previous:  # nested labels: "bei ([+ dat]) <prep>"
+        line, previous = _ANNOTATION.sub(" ", line), line
+    return next((" ".join(part.split()) for part in line.split(",") if part.strip()), "")
+
+
+def choose_senses(candidates: dict[str, tuple[str, ...]], german: list[str]) -> dict[str, str]:
+    """Headword -> the translation among its senses whose rarest word is the most frequent in
+    the `german` texts (a training split), the first sense on a tie: "the" has senses "das",
+    "der", "die" and "zum", and is translated as whichever the texts use most."""
+    counts: dict[str, int] = {}
+    for text in german:
+        for word in _TOKEN.findall(text):
+            counts[word] = counts.get(word, 0) + 1
+    chosen = {}
+    for headword, translations in candidates.items():
+        frequency = [min(counts.get(word, 0) for word in _TOKEN.findall(t) or [""]) for t in translations]
+        chosen[headword] = translations[frequency.index(max(frequency))]
+    return chosen
+
+
+_TOKEN = re.compile(r"\w+(?:[-'’]\w+)*|[^\w\s]")
+
+
+def word_by_word(sentence: str, words: dict[str, str]) -> str:
+    """Each word replaced by its dictionary translation (as written, else lower-cased), unknown
+    words and punctuation copied."""
+    out = []
+    for token in _TOKEN.findall(sentence):
+        translated = words.get(token) or words.get(token.lower()) or token
+        if out and not token[0].isalnum() and token not in "(„“\"'":
+            out[-1] += translated
+        else:
+            out.append(translated)
+    return " ".join(out)

@@ -1,0 +1,358 @@
+"""Sequence to sequence on the core's encoder-decoder: what `translate` and `summarize` share.
+
+Pairs (source text, target text) come from the task's embedded default, the user's table
+(`--data` CSV/TSV/JSONL/parquet with `data.source_column` and `data.target_column`), a hub
+dataset when online, or `synthetic` (for tests). `data.direction=reverse` swaps the sides. The
+split is fixed and deduplicated on the source side: pairs are grouped by their normalized source
+(lower case, single spaces), the first pair of each group is kept, and a hash of the source puts
+it in train (90%), valid (5%) or test (5%), so no source is in two splits.
+
+One sentencepiece model over both sides (`data.shared_vocab`, the default: one embedding table
+for source, target and output) or one per side. A source is its pieces and EOS; a target is
+read as [BOS] pieces and predicted as pieces [EOS] (core/task.py's encoder-decoder keys); both
+are cut to `data.source_len` / `data.target_len` with a warning.
+
+Training minimizes label-smoothed cross-entropy over batches of similar lengths (the task's
+`trim`); the best checkpoint is the one with the lowest validation `nll` (unsmoothed, nats per
+target piece). `apps eval` then decodes the split greedily and with beam search and scores the
+text (the task's `score_generated`) beside a classical baseline.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import numpy as np
+from flax import nnx
+
+from core import losses
+from core import metrics as metric_lib
+from core.config import Config, ModelConfig, OptimConfig, TrainConfig, require
+from core.data import bucket_width
+from core.encoder_decoder import EncoderDecoder, generate_beams_from_source, generate_from_source
+from core.errors import UserError
+from core.heads import Projection, TiedOutput, TokenEmbedder
+from core.task import PredictOption, Task
+from tasks.nlp import data as text_data
+from tasks.nlp.tokenizer import BOS, EOS, PAD, Tokenizer
+
+log = logging.getLogger("apps")
+
+# Percent of the sources in train and valid (by hash); the rest is test.
+TRAIN_PERCENT, VALID_PERCENT = 90, 5
+
+
+@dataclass(frozen=True, kw_only=True)
+class Seq2SeqData:
+    """Columns of a --data table, the direction, the vocabulary, lengths and decoding limits."""
+
+    source_column: str = "source"
+    target_column: str = "target"
+    direction: Literal["forward", "reverse"] = "forward"  # reverse: the target column is the source
+    vocab_size: int = 8000
+    shared_vocab: bool = True
+    source_len: int = 32  # pieces of a source, with its EOS; longer sources are cut
+    target_len: int = 32  # pieces of a target, with its EOS; also the most a decoding generates
+    label_smoothing: float = 0.1
+    # A decoding generates at most max_len_a * (source pieces) + max_len_b pieces (fairseq's rule).
+    max_len_a: float = 1.5
+    max_len_b: int = 8
+
+    def __post_init__(self):
+        for key in ("vocab_size", "source_len", "target_len"):
+            require(getattr(self, key) > 0, f"data.{key}", getattr(self, key), "must be positive")
+        require(0 <= self.label_smoothing < 1, "data.label_smoothing", self.label_smoothing, "must be in [0, 1)")
+        require(self.max_len_a >= 0, "data.max_len_a", self.max_len_a, "must not be negative")
+        require(self.max_len_b >= 0, "data.max_len_b", self.max_len_b, "must not be negative")
+
+
+def preset(task: str, name: str, model: ModelConfig, data: Seq2SeqData, steps: int, batch_size: int, lr: float):
+    """A seq2seq config; evaluation and checkpoints every quarter of the run."""
+    every = max(steps // 4, 1)
+    return Config(
+        task=task,
+        preset=name,
+        model=model,
+        optim=OptimConfig(learning_rate=lr, warmup_steps=max(steps // 20, 1), weight_decay=0.01),
+        train=TrainConfig(
+            batch_size=batch_size,
+            eval_batch_size=128,
+            steps=steps,
+            eval_every=every,
+            checkpoint_every=every,
+            log_every=max(steps // 40, 1),
+        ),
+        data=data,
+    )
+
+
+@functools.cache
+def _read_pairs(spec: str, source_column: str, target_column: str, stamp: tuple | None) -> tuple[tuple[str, str], ...]:
+    path = Path(spec)
+    if path.suffix.lower() in text_data.FORMATS or path.exists():
+        table, where = text_data.read_file(path), str(path)
+    else:
+        splits, where = text_data.read_hub(spec), f"hub dataset {spec!r}"
+        if "train" not in splits:
+            raise UserError(f"{where} has no train split; its splits are {', '.join(splits)}.")
+        table = splits["train"]
+    columns = {"data.source_column": source_column, "data.target_column": target_column}
+    text_data.require_columns(table, columns, where)
+    pairs = tuple(
+        (source.strip(), target.strip())
+        for source, target in zip(table[source_column], table[target_column])
+        if isinstance(source, str) and isinstance(target, str) and source.strip() and target.strip()
+    )
+    if not pairs:
+        raise UserError(f"{where} has no row with both a {source_column!r} and a {target_column!r} text.")
+    if len(pairs) < len(table):
+        log.warning(
+            "%s: left out %d of %d rows with an empty or missing text.", where, len(table) - len(pairs), len(table)
+        )
+    return pairs
+
+
+def read_pairs(spec: str, source_column: str, target_column: str) -> tuple[tuple[str, str], ...]:
+    """(source, target) texts of a local table or a hub dataset's train split; rows missing
+    either text are left out with a warning. Cached per process, keyed by the file's stamp."""
+    path = Path(spec)
+    stamp = (path.stat().st_mtime_ns, path.stat().st_size) if path.is_file() else None
+    return _read_pairs(spec, source_column, target_column, stamp)
+
+
+def synthetic_pairs(count: int = 600, seed: int = 0) -> list[tuple[str, str]]:
+    """Deterministic pairs with structure to learn: the target spells the source's words
+    backwards through a fixed word mapping ("red cat" -> "tac-x der-x")."""
+    rng = np.random.default_rng(seed)
+    words = "red blue cat dog runs sleeps big small house tree".split()
+    pairs = []
+    for _ in range(count):
+        source = list(rng.choice(words, int(rng.integers(2, 6))))
+        pairs.append((" ".join(source), " ".join(f"{word[::-1]}-x" for word in reversed(source))))
+    return pairs
+
+
+def _normalized(text: str) -> str:
+    return " ".join(text.lower().split())
+
+
+def split_pairs(pairs: Sequence[tuple[str, str]], split: str, direction: str = "forward") -> list[dict]:
+    """The examples of one split: the first pair of each normalized source, placed by its hash."""
+    if split not in ("train", "valid", "test"):
+        raise UserError(f"Unknown split {split!r}: expected train, valid or test.")
+    if direction == "reverse":
+        pairs = [(target, source) for source, target in pairs]
+    seen, examples = set(), []
+    for source, target in pairs:
+        key = _normalized(source)
+        if key in seen:
+            continue
+        seen.add(key)
+        bucket = zlib.crc32(key.encode("utf-8")) % 100
+        where = "train" if bucket < TRAIN_PERCENT else "valid" if bucket < TRAIN_PERCENT + VALID_PERCENT else "test"
+        if where == split:
+            examples.append({"source": source, "target": target})
+    return examples
+
+
+@dataclass
+class Seq2SeqFeaturizer:
+    """The source and target tokenizers (one object when shared) and the length budgets."""
+
+    source: Tokenizer
+    target: Tokenizer
+    source_len: int
+    target_len: int
+
+    @property
+    def shared(self) -> bool:
+        return self.source is self.target
+
+    def save(self, directory: Path) -> None:
+        if self.shared:
+            self.source.save(directory)
+            return
+        for side, tokenizer in (("source", self.source), ("target", self.target)):
+            (directory / side).mkdir(exist_ok=True)
+            tokenizer.save(directory / side)
+
+    @classmethod
+    def load(cls, directory: Path, source_len: int, target_len: int) -> Seq2SeqFeaturizer:
+        if (directory / Tokenizer.FILE).exists():
+            shared = Tokenizer.load(directory)
+            return cls(shared, shared, source_len, target_len)
+        return cls(Tokenizer.load(directory / "source"), Tokenizer.load(directory / "target"), source_len, target_len)
+
+    def source_ids(self, texts: Sequence[str]) -> list[np.ndarray]:
+        """Each source's pieces and EOS, cut to `source_len` (with a warning)."""
+        return _cut(self.source.processor.encode(list(texts)), self.source_len, "source", "data.source_len")
+
+    def text(self, ids: Sequence[int]) -> str:
+        """The target text of generated ids (up to the first EOS)."""
+        ids = list(ids)
+        return self.target.decode(ids[: ids.index(EOS)] if EOS in ids else ids)
+
+    def __call__(self, examples: Sequence[dict]) -> dict[str, np.ndarray]:
+        sources = self.source_ids([e["source"] for e in examples])
+        targets = _cut(
+            self.target.processor.encode([e["target"] for e in examples]), self.target_len, "target", "data.target_len"
+        )
+        inputs = np.full((len(examples), self.source_len), PAD, np.int32)
+        decoder_inputs = np.full((len(examples), self.target_len), PAD, np.int32)
+        outputs = np.full((len(examples), self.target_len), PAD, np.int32)
+        for row, (source, target) in enumerate(zip(sources, targets)):
+            inputs[row, : len(source)] = source
+            outputs[row, : len(target)] = target
+            decoder_inputs[row, : len(target)] = [BOS, *target[:-1]]
+        return {
+            "inputs": inputs,
+            "mask": inputs != PAD,
+            "decoder_inputs": decoder_inputs,
+            "decoder_mask": outputs != PAD,
+            "targets": outputs,
+            "target_mask": outputs != PAD,
+            "weights": np.ones(len(examples), np.float32),
+        }
+
+
+def _cut(pieces: list[list[int]], length: int, side: str, key: str) -> list[np.ndarray]:
+    """Pieces and EOS of each text, at most `length`; how many were cut is logged."""
+    rows = [np.asarray([*ids, EOS], np.int32) for ids in pieces]
+    long = sum(len(row) > length for row in rows)
+    if long:
+        log.warning("%d of %d %ss are longer than %s=%d pieces and were cut to it.", long, len(rows), side, key, length)
+    return [row[:length] for row in rows]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Seq2SeqTask(Task):
+    """The shared body of the seq2seq tasks; a task adds its data, scores and baseline."""
+
+    output_name: ClassVar[str]  # the rendered column: "translation", "summary"
+    best_metric: ClassVar[str] = "nll"
+    lower_is_better: ClassVar[bool] = True
+    data_type: ClassVar[type] = Seq2SeqData
+    default_preset: ClassVar[str] = "base"
+    generates: ClassVar[bool] = True
+    trim: ClassVar[dict[str, tuple[str, ...]]] = {
+        "mask": ("inputs",),
+        "decoder_mask": ("decoder_inputs", "targets", "target_mask"),
+    }
+    predict_options: ClassVar[tuple[PredictOption, ...]] = (
+        PredictOption("beams", int, 4, "beam search with this many beams (1: greedy or sampling)"),
+        PredictOption("length_penalty", float, 0.6, "beam search: GNMT length penalty exponent"),
+        PredictOption("temperature", float, 0.0, "with --beams 1: softmax temperature; 0 is greedy"),
+        PredictOption("seed", int, 0, "random seed of the sampling"),
+    )
+    evaluated_decodings: ClassVar[dict[str, dict[str, Any]]] = {"greedy": {"beams": 1}, "beam": {"beams": 4}}
+
+    config: Config
+    data: str | None = None
+
+    def pairs(self) -> Sequence[tuple[str, str]]:
+        """All (source, target) pairs of the embedded default, before the split."""
+        raise NotImplementedError
+
+    def examples(self, split: str) -> list[dict]:
+        options = self.config.data
+        if self.data == "synthetic":
+            pairs = synthetic_pairs()
+        elif self.data is None:
+            pairs = self.pairs()
+        else:
+            pairs = read_pairs(self.data, options.source_column, options.target_column)
+        return split_pairs(pairs, split, options.direction)
+
+    def fit_featurizer(self, train: Sequence[dict]) -> Seq2SeqFeaturizer:
+        options = self.config.data
+        sources, targets = [e["source"] for e in train], [e["target"] for e in train]
+        if options.shared_vocab:
+            source = target = Tokenizer.train(sources + targets, options.vocab_size)
+        else:
+            source, target = Tokenizer.train(sources, options.vocab_size), Tokenizer.train(targets, options.vocab_size)
+        return Seq2SeqFeaturizer(source, target, options.source_len, options.target_len)
+
+    def load_featurizer(self, directory: Path) -> Seq2SeqFeaturizer:
+        return Seq2SeqFeaturizer.load(directory, self.config.data.source_len, self.config.data.target_len)
+
+    def model(self, featurizer: Seq2SeqFeaturizer, config: Config, rngs: nnx.Rngs) -> EncoderDecoder:
+        d_model = config.model.d_model
+        source = TokenEmbedder(featurizer.source.vocab_size, d_model, rngs=rngs)
+        target = source if featurizer.shared else TokenEmbedder(featurizer.target.vocab_size, d_model, rngs=rngs)
+        return EncoderDecoder.build(
+            config.model, source, target, TiedOutput(target), remat=config.train.remat, rngs=rngs
+        )
+
+    def loss(self, projection: Projection, batch: dict):
+        smoothing = self.config.data.label_smoothing
+        return losses.linear_cross_entropy(
+            projection.hidden, projection.weight, batch["targets"], _scored(batch), smoothing
+        )
+
+    def metrics(self, projection: Projection, batch: dict):
+        scored = _scored(batch)
+        return {
+            "nll": losses.linear_cross_entropy(projection.hidden, projection.weight, batch["targets"], scored),
+            "token_accuracy": metric_lib.accuracy(projection.logits(), batch["targets"], scored),
+        }
+
+    def decode(self, projection: Projection, batch: dict) -> dict:
+        return {}  # the text is generated (`generate`), not read off the teacher-forced pass
+
+    def score(self, predictions, examples, featurizer) -> dict[str, float]:
+        return {}
+
+    def generate(self, model, featurizer: Seq2SeqFeaturizer, examples, options: dict, on_text=None) -> dict:
+        """Each source's target text: beam search, or greedy / sampled decoding with --beams 1.
+        Sources go in batches of `train.eval_batch_size` of similar lengths, padded to a
+        `core.data.bucket_width` (few compiled shapes)."""
+        if options["beams"] < 1:
+            raise UserError(f"--beams {options['beams']}: must be at least 1 (1 is greedy, more search).")
+        sources = featurizer.source_ids([e["source"] for e in examples])
+        order = np.argsort([len(source) for source in sources], kind="stable")
+        batch_size, data = self.config.train.eval_batch_size, self.config.data
+        texts: list[str] = [""] * len(sources)
+        for start in range(0, len(order), batch_size):
+            rows = order[start : start + batch_size]
+            longest = max(len(sources[i]) for i in rows)
+            width = bucket_width(longest, data.source_len)
+            settings = {
+                "max_new_tokens": max(1, min(data.target_len, int(data.max_len_a * width) + data.max_len_b)),
+                "bos": BOS,
+                "stop_tokens": (EOS,),
+                "width": width,
+            }
+            batch = [sources[i] for i in rows]
+            batch += [batch[0]] * (batch_size - len(batch))  # one batch shape: pad with copies
+            if options["beams"] > 1:
+                beams = generate_beams_from_source(
+                    model, batch, beam_size=options["beams"], length_penalty=options["length_penalty"], **settings
+                )
+                tokens = beams.tokens[:, 0]
+            else:
+                tokens = generate_from_source(
+                    model, batch, temperature=options["temperature"], seed=options["seed"], **settings
+                ).tokens
+            for i, row in zip(rows, tokens):
+                texts[i] = featurizer.text(row)
+        return {"text": texts}
+
+    def parse_inputs(self, lines: Sequence[str], options: dict) -> list[dict]:
+        sources = [line.strip() for line in lines if line.strip()]
+        if not sources:
+            raise UserError(f"apps predict {self.name} needs at least one non-empty text (as arguments or on stdin).")
+        return [{"source": source, "target": ""} for source in sources]
+
+    def render(self, predictions, examples, featurizer) -> list[dict[str, str]]:
+        return [{"source": e["source"], self.output_name: text} for e, text in zip(examples, predictions["text"])]
+
+
+def _scored(batch: dict):
+    """Which target positions count: real ones of real rows (not the rows that pad a batch)."""
+    return batch["target_mask"] & (batch["weights"][:, None] > 0)

@@ -1,0 +1,289 @@
+"""Translation and summarization: the FreeDict parser and baseline, the split, the featurizer,
+the scores, decoding through the task, and bad input."""
+
+import gzip
+import json
+import logging
+import re
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+import tasks
+from cli import app
+from core import run
+from core.beam import beam_search, gnmt_penalty
+from core.errors import UserError
+from core.train import build_model
+from tasks.nlp import freedict, seq2seq
+from tasks.nlp.seq2seq import Seq2SeqFeaturizer, read_pairs, split_pairs
+from tasks.nlp.summarize import rouge_scores
+from tasks.nlp.tokenizer import BOS, EOS, PAD, Tokenizer
+from tasks.nlp.translate import translation_scores
+
+runner = CliRunner()
+
+
+def apps(*args, input=None):
+    return runner.invoke(app, [str(a) for a in args], input=input)
+
+
+# Hand-copied from freedict-eng-deu.dict.dz (2022.04.21), trimmed.
+ENTRIES = [
+    (
+        "dog",
+        "dog /dˈɒɡ/\nBandhaken <masc>, Bandzieher <masc>, Reifzange <fem>\n         Note: Fassbinderei\n\n",
+    ),
+    (
+        "dog",
+        "dog /dˈɒɡ/\nHund <masc> [zool.]\n"
+        '      "train a dog"  - einen Hund abrichten\n'
+        '      "Let sleeping dogs lie."  - Schlafende Hunde soll man nicht wecken., Man soll keine schlafenden '
+        "Hunde wecken.\n   Synonym: {dawg}\n\n see: {dogs}\n\n",
+    ),
+    ("the", "the /ðˈə/\ndas <art>\n         Note: des; dem; das\n\n"),
+    ("the", "the /ðˈə/\nder <art>\n         Note: des; dem; den\n\n"),
+    (
+        "go",
+        "go /ɡˈəʊ/ (went /wˈɛnt/ <>, gone /ɡˈɒn/ <>) <v>\ngehen <v, intr>\n"
+        '      "he/she has/had gone"  - er/sie ist/war gegangen\n'
+        '      "go too far"  - zu weit gehen, es zu weit treiben\n\n',
+    ),
+    ("with", "with /wˈɪð/\nbei ([+ dat]) <prep>\n"),
+    ("run", "run /ɹˈʌn/\n [Am.] Laufmasche <fem>, Fallmasche <fem> [textil.]\n"),
+]
+
+
+def b64(number: int) -> str:
+    digits = ""
+    while True:
+        number, digit = divmod(number, 64)
+        digits = freedict._BASE64[digit] + digits
+        if number == 0:
+            return digits
+
+
+@pytest.fixture(scope="module")
+def toy_dictionary(tmp_path_factory):
+    """A dictd pair of files holding ENTRIES, as Debian ships them."""
+    folder = tmp_path_factory.mktemp("dictd")
+    data, index = b"00-database-info\nA toy dictionary\n", []
+    for headword, entry in ENTRIES:
+        raw = entry.encode("utf-8")
+        index.append(f"{headword}\t{b64(len(data))}\t{b64(len(raw))}")
+        data += raw
+    (folder / "toy.dict.dz").write_bytes(gzip.compress(data))
+    (folder / "toy.index").write_text("\n".join(index) + "\n", encoding="utf-8")
+    return folder / "toy.dict.dz", folder / "toy.index"
+
+
+def test_examples_keep_the_first_alternatives_on_both_sides():
+    text = "".join(entry for _, entry in ENTRIES)
+    assert freedict.example_pairs(text) == [
+        ("train a dog", "einen Hund abrichten"),
+        # A German sentence is kept whole; the alternative sentence after ".," is dropped.
+        ("Let sleeping dogs lie.", "Schlafende Hunde soll man nicht wecken."),
+        ("he has gone", "er ist gegangen"),
+        ("go too far", "zu weit gehen"),
+    ]
+
+
+def test_a_sentence_with_commas_is_one_translation():
+    german = "Ich weiß, das gehört nicht hierher, aber ich habe eine Frage."
+    assert freedict.first_translation(german) == german
+    assert freedict.first_translation("Aal blau, blauer Aal") == "Aal blau"
+
+
+def test_senses_of_a_toy_dictionary_and_the_choice_by_counts(toy_dictionary):
+    senses = freedict.senses(*toy_dictionary)
+    # Labels (<...>, [...], nested ([+ dat])) go; an entry without examples still has a sense.
+    assert senses == {
+        "dog": ("Bandhaken", "Hund"),
+        "the": ("das", "der"),
+        "go": ("gehen",),
+        "with": ("bei",),
+        "run": ("Laufmasche",),
+    }
+    chosen = freedict.choose_senses(senses, ["der Hund", "der Hund bellt", "das Haus"])
+    assert chosen["dog"] == "Hund" and chosen["the"] == "der"
+    # No counts at all: the first sense.
+    assert freedict.choose_senses(senses, [])["dog"] == "Bandhaken"
+
+
+def test_word_by_word_copies_unknown_words_and_punctuation():
+    words = {"the": "der", "dog": "Hund", "with": "mit"}
+    assert freedict.word_by_word("The dog, with Rex!", words) == "der Hund, mit Rex!"
+
+
+def test_a_missing_dictionary_names_the_package_and_the_alternative(tmp_path):
+    with pytest.raises(UserError, match="dict-freedict-eng-deu.*--data"):
+        freedict.read(tmp_path / "freedict-eng-deu.dict.dz")
+
+
+def test_the_split_is_fixed_and_no_source_is_in_two_splits():
+    pairs = [(f"Phrase {i}", f"Satz {i}") for i in range(400)] + [(f"phrase  {i}", f"anders {i}") for i in range(400)]
+    splits = {name: split_pairs(pairs, name) for name in ("train", "valid", "test")}
+    sources = [e["source"].lower() for examples in splits.values() for e in examples]
+    assert len(sources) == len(set(sources)) == 400  # duplicates differing in case and spaces dropped
+    assert all(e["target"].startswith("Satz") for examples in splits.values() for e in examples)  # first kept
+    assert 320 <= len(splits["train"]) <= 390 and splits["valid"] and splits["test"]
+    assert split_pairs(pairs, "test") == splits["test"]
+    reverse = split_pairs(pairs, "test", "reverse")
+    assert {e["source"] for e in reverse} <= {f"Satz {i}" for i in range(400)}
+
+
+@pytest.fixture(scope="module")
+def featurizer():
+    tokenizer = Tokenizer.train(["a b c d e f g h", "b c d e", "g h a b"] * 20, 30)
+    return Seq2SeqFeaturizer(tokenizer, tokenizer, source_len=6, target_len=4)
+
+
+def test_features_of_a_pair_by_hand(featurizer, caplog):
+    pieces = featurizer.target.processor.encode
+    with caplog.at_level(logging.WARNING, logger="apps"):
+        arrays = featurizer([{"source": "a b", "target": "c d"}, {"source": "a b c d e f g", "target": "h a b c d"}])
+    source, target, long_target = pieces("a b"), pieces("c d"), pieces("h a b c d")
+    np.testing.assert_array_equal(arrays["inputs"][0], [*source, EOS] + [PAD] * (5 - len(source)))
+    np.testing.assert_array_equal(arrays["targets"][0], [*target, EOS] + [PAD] * (3 - len(target)))
+    np.testing.assert_array_equal(arrays["decoder_inputs"][0], [BOS, *target] + [PAD] * (3 - len(target)))
+    assert (arrays["decoder_mask"] == (arrays["targets"] != PAD)).all() and arrays["mask"][1].all()
+    # Cut to the budgets, with a warning for each side.
+    np.testing.assert_array_equal(arrays["targets"][1], long_target[:4])
+    assert "1 of 2 sources are longer than data.source_len=6" in caplog.text
+    assert "1 of 2 targets are longer than data.target_len=4" in caplog.text
+    assert featurizer.text([*target, EOS, 5, 6]) == "c d"
+
+
+def test_translation_and_rouge_scores_by_hand():
+    perfect = translation_scores(["der Hund bellt laut ."], ["der Hund bellt laut ."])
+    assert perfect["bleu"] == pytest.approx(100) and perfect["chrf"] == pytest.approx(100)
+    assert perfect["bleu_signature"].startswith("nrefs:1|case:mixed|eff:no|tok:13a")
+    # Unigrams: "love" and "dress" of 3 each side: F1 2/3; no shared bigram; LCS "love dress": 2/3.
+    scores = rouge_scores(["love this dress", "great"], ["love the dress", "great"])
+    assert scores["rouge1"] == pytest.approx(100 * (2 / 3 + 1) / 2)
+    assert scores["rouge2"] == pytest.approx(100 * (0 + 0) / 2)  # a one-word summary has no bigram
+    assert scores["rougeL"] == pytest.approx(scores["rouge1"])
+
+
+@pytest.mark.parametrize("alpha,expected", [(0.0, [0]), (1.0, [1, 2, 0])])
+def test_beam_search_returns_the_best_sequence_under_the_length_penalty(alpha, expected):
+    # Stop at once (p 0.3), or 1 (0.7) then 2 then stop (0.9 each): 0.567 in all. Without a
+    # penalty the short one wins (log 0.3 > log 0.567 / 1); with alpha 1 the long one does.
+    table = np.full((4, 4), 1e-9)
+    table[1, 2] = table[2, 0] = 0.9
+    table[1, 3] = table[2, 3] = 0.1
+    table = jnp.log(jnp.asarray(table, jnp.float32))
+    first = jnp.log(jnp.asarray([[0.3, 0.7, 1e-9, 1e-9]], jnp.float32))
+    beams = beam_search(lambda s, t: (table[t], s), jnp.zeros((1, 1)), first, 2, 4, (0,), alpha)
+    length = len(expected)
+    np.testing.assert_array_equal(beams.tokens[0, 0, :length], expected)
+    probability = 0.3 if length == 1 else 0.7 * 0.9 * 0.9
+    assert float(beams.scores[0, 0]) == pytest.approx(np.log(probability) / gnmt_penalty(length, alpha), abs=1e-5)
+
+
+@pytest.mark.parametrize("name", ["translate", "summarize"])
+def test_padding_and_batching_change_no_output(name):
+    task_type = tasks.get(name)
+    task = task_type(config=task_type.presets["tiny"](), data="synthetic")
+    featurizer = task.fit_featurizer(task.examples("train"))
+    model = build_model(task, featurizer, task.config)
+    examples = task.examples("test")[:20]
+    for beams in (1, 3):
+        options = {"beams": beams, "length_penalty": 0.6, "temperature": 0.0, "seed": 0}
+        together = task.generate(model, featurizer, examples, options)["text"]
+        alone = [task.generate(model, featurizer, [e], options)["text"][0] for e in examples[:4]]
+        assert together[:4] == alone and all(isinstance(text, str) for text in together)
+
+
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        ("", "could not be read|has no row"),
+        ("source\ttext\nhello\tHallo\n", "no column 'target'.*source, text.*data.target_column"),
+        ("source\ttarget\n\tHallo\n \t \n", "has no row with both"),
+    ],
+)
+def test_bad_pair_files(tmp_path, content, message):
+    path = tmp_path / "pairs.tsv"
+    path.write_text(content)
+    with pytest.raises(UserError, match=message):
+        read_pairs(str(path), "source", "target")
+
+
+def test_non_utf8_pair_file_names_the_line(tmp_path):
+    path = tmp_path / "pairs.tsv"
+    path.write_bytes(b"source\ttarget\nhello\tHallo\ncaf\xe9\tCaf\xe9\n")
+    with pytest.raises(UserError, match="line 3: not valid UTF-8"):
+        read_pairs(str(path), "source", "target")
+
+
+def test_rows_without_both_texts_are_left_out_with_a_warning(tmp_path, caplog):
+    path = tmp_path / "pairs.jsonl"
+    path.write_text('{"en": "hello", "de": "hallo"}\n{"en": "", "de": "leer"}\n{"en": "bye", "de": null}\n')
+    with caplog.at_level(logging.WARNING, logger="apps"):
+        assert read_pairs(str(path), "en", "de") == (("hello", "hallo"),)
+    assert "left out 2 of 3 rows" in caplog.text
+
+
+def test_empty_predict_input_is_refused():
+    task_type = tasks.get("translate")
+    with pytest.raises(UserError, match="at least one non-empty text"):
+        task_type(config=task_type.presets["tiny"]()).parse_inputs(["", "  "], {})
+
+
+def test_decoding_limits_follow_the_source(monkeypatch):
+    """max_len_a * width + max_len_b new pieces, capped by target_len."""
+    task_type = tasks.get("translate")
+    task = task_type(config=task_type.presets["tiny"](), data="synthetic")
+    featurizer = task.fit_featurizer(task.examples("train"))
+    model = build_model(task, featurizer, task.config)
+    seen = []
+    original = seq2seq.generate_from_source
+
+    def spy(model, sources, **settings):
+        seen.append((settings["width"], settings["max_new_tokens"]))
+        return original(model, sources, **settings)
+
+    monkeypatch.setattr(seq2seq, "generate_from_source", spy)
+    options = {"beams": 1, "length_penalty": 0.6, "temperature": 0.0, "seed": 0}
+    task.generate(model, featurizer, [{"source": "red cat", "target": ""}], options)
+    data = task.config.data
+    assert seen == [(8, min(data.target_len, int(data.max_len_a * 8) + data.max_len_b))]
+
+
+@pytest.fixture(scope="module")
+def translate_run(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("translate") / "run"
+    result = apps("train", "translate", "--preset", "tiny", "--data", "synthetic", "--workdir", workdir)
+    assert result.exit_code == 0, result.output
+    return workdir
+
+
+def test_eval_reports_greedy_and_beam_beside_the_baseline(translate_run):
+    result = apps("eval", "translate", "--data", "synthetic", "--workdir", translate_run)
+    assert result.exit_code == 0, result.output
+    assert re.search(r"bleu\s*│\s*│\s*[\d.]+\s*│\s*[\d.]+\s*│\s*[\d.]+", result.output), result.output
+    saved = json.loads((translate_run / "eval_test.json").read_text())
+    assert {"bleu", "chrf", "bleu_signature"} <= set(saved["greedy"]) and set(saved["beam"]) == set(saved["greedy"])
+    assert set(saved["baselines"]) == {"copy_source"} and "nll" in saved and "token_accuracy" in saved
+
+
+def test_predict_translates_arguments_and_stdin(translate_run):
+    texts = ["red cat", "big dog runs"]
+    expected = run.predict(tasks.get("translate"), translate_run, texts, {"--beams": "2"})
+    assert [row["source"] for row in expected] == texts and all("translation" in row for row in expected)
+    result = apps("predict", "translate", "--workdir", translate_run, "--beams", "2", *texts)
+    assert result.exit_code == 0 and all(row["translation"] in result.output for row in expected), result.output
+    result = apps("predict", "translate", "--workdir", translate_run, "--beams=2", input="\n".join(texts) + "\n")
+    assert result.exit_code == 0 and all(row["translation"] in result.output for row in expected), result.output
+    result = apps("predict", "translate", "--workdir", translate_run, "--beams", "0", "red cat")
+    assert result.exit_code == 1 and "--beams 0: must be at least 1" in result.output
+
+
+def test_a_missing_default_dictionary_is_one_clear_message(tmp_path, monkeypatch):
+    monkeypatch.setattr(freedict, "DICTIONARY", tmp_path / "freedict-eng-deu.dict.dz")
+    result = apps("train", "translate", "--preset", "tiny", "--workdir", tmp_path / "run")
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert "dict-freedict-eng-deu" in result.output and "--data" in result.output
