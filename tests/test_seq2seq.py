@@ -131,13 +131,15 @@ def test_the_split_is_fixed_and_no_source_is_in_two_splits():
     assert 320 <= len(splits["train"]) <= 390 and splits["valid"] and splits["test"]
     assert split_pairs(pairs, "test") == splits["test"]
     reverse = split_pairs(pairs, "test", "reverse")
-    assert {e["source"] for e in reverse} <= {f"Satz {i}" for i in range(400)}
+    # Reversed, the German side is the source: all 800 differ, so none is dropped.
+    assert reverse and all(e["target"].lower().startswith("phrase") for e in reverse)
+    assert sum(len(split_pairs(pairs, name, "reverse")) for name in ("train", "valid", "test")) == 800
 
 
 @pytest.fixture(scope="module")
 def featurizer():
     tokenizer = Tokenizer.train(["a b c d e f g h", "b c d e", "g h a b"] * 20, 30)
-    return Seq2SeqFeaturizer(tokenizer, tokenizer, source_len=6, target_len=4)
+    return Seq2SeqFeaturizer(tokenizer, tokenizer, source_len=12, target_len=6)
 
 
 def test_features_of_a_pair_by_hand(featurizer, caplog):
@@ -145,14 +147,20 @@ def test_features_of_a_pair_by_hand(featurizer, caplog):
     with caplog.at_level(logging.WARNING, logger="apps"):
         arrays = featurizer([{"source": "a b", "target": "c d"}, {"source": "a b c d e f g", "target": "h a b c d"}])
     source, target, long_target = pieces("a b"), pieces("c d"), pieces("h a b c d")
-    np.testing.assert_array_equal(arrays["inputs"][0], [*source, EOS] + [PAD] * (5 - len(source)))
-    np.testing.assert_array_equal(arrays["targets"][0], [*target, EOS] + [PAD] * (3 - len(target)))
-    np.testing.assert_array_equal(arrays["decoder_inputs"][0], [BOS, *target] + [PAD] * (3 - len(target)))
+    assert len(source) < 11 and len(target) < 5 and len(long_target) > 6  # the cases below
+
+    def padded(ids, length):
+        return ids + [PAD] * (length - len(ids))
+
+    np.testing.assert_array_equal(arrays["inputs"][0], padded([*source, EOS], 12))
+    np.testing.assert_array_equal(arrays["targets"][0], padded([*target, EOS], 6))
+    np.testing.assert_array_equal(arrays["decoder_inputs"][0], padded([BOS, *target], 6))
     assert (arrays["decoder_mask"] == (arrays["targets"] != PAD)).all() and arrays["mask"][1].all()
     # Cut to the budgets, with a warning for each side.
-    np.testing.assert_array_equal(arrays["targets"][1], long_target[:4])
-    assert "1 of 2 sources are longer than data.source_len=6" in caplog.text
-    assert "1 of 2 targets are longer than data.target_len=4" in caplog.text
+    np.testing.assert_array_equal(arrays["targets"][1], long_target[:6])
+    np.testing.assert_array_equal(arrays["decoder_inputs"][1], [BOS, *long_target[:5]])
+    assert "1 of 2 sources are longer than data.source_len=12" in caplog.text
+    assert "1 of 2 targets are longer than data.target_len=6" in caplog.text
     assert featurizer.text([*target, EOS, 5, 6]) == "c d"
 
 
@@ -169,17 +177,20 @@ def test_translation_and_rouge_scores_by_hand():
 
 @pytest.mark.parametrize("alpha,expected", [(0.0, [0]), (1.0, [1, 2, 0])])
 def test_beam_search_returns_the_best_sequence_under_the_length_penalty(alpha, expected):
-    # Stop at once (p 0.3), or 1 (0.7) then 2 then stop (0.9 each): 0.567 in all. Without a
-    # penalty the short one wins (log 0.3 > log 0.567 / 1); with alpha 1 the long one does.
-    table = np.full((4, 4), 1e-9)
-    table[1, 2] = table[2, 0] = 0.9
-    table[1, 3] = table[2, 3] = 0.1
+    # Stop at once (p 0.48), or 1 (0.52), 2 (0.9), stop (0.95): 0.4446 in all. Without a penalty
+    # the short one wins (log 0.48 > log 0.4446); with alpha 1 the long one does (its log
+    # probability is divided by ((5 + 3) / 6) ** 1: -0.608 > -0.734).
+    table = np.full((4, 4), 0.25)
+    table[1] = [1e-9, 1e-9, 0.9, 0.1]
+    table[2] = [0.95, 1e-9, 1e-9, 0.05]
     table = jnp.log(jnp.asarray(table, jnp.float32))
-    first = jnp.log(jnp.asarray([[0.3, 0.7, 1e-9, 1e-9]], jnp.float32))
-    beams = beam_search(lambda s, t: (table[t], s), jnp.zeros((1, 1)), first, 2, 4, (0,), alpha)
+    first = jnp.log(jnp.asarray([[0.48, 0.52, 1e-9, 1e-9]], jnp.float32))
+    step = lambda state, tokens: (table[tokens], state)  # noqa: E731
+    settings = dict(beam_size=2, max_new_tokens=4, stop_tokens=(0,), length_penalty=alpha)
+    beams = beam_search(step, jnp.zeros((1, 1)), first, **settings)
     length = len(expected)
     np.testing.assert_array_equal(beams.tokens[0, 0, :length], expected)
-    probability = 0.3 if length == 1 else 0.7 * 0.9 * 0.9
+    probability = 0.48 if length == 1 else 0.52 * 0.9 * 0.95
     assert float(beams.scores[0, 0]) == pytest.approx(np.log(probability) / gnmt_penalty(length, alpha), abs=1e-5)
 
 

@@ -138,7 +138,8 @@ def synthetic_pairs(count: int = 600, seed: int = 0) -> list[tuple[str, str]]:
     return pairs
 
 
-def _normalized(text: str) -> str:
+def normalized(text: str) -> str:
+    """The form that identifies a source: lower case, single spaces."""
     return " ".join(text.lower().split())
 
 
@@ -150,7 +151,7 @@ def split_pairs(pairs: Sequence[tuple[str, str]], split: str, direction: str = "
         pairs = [(target, source) for source, target in pairs]
     seen, examples = set(), []
     for source, target in pairs:
-        key = _normalized(source)
+        key = normalized(source)
         if key in seen:
             continue
         seen.add(key)
