@@ -119,6 +119,10 @@ class OptimConfig:
     b2: float = 0.98
     eps: float = 1e-8
     label_smoothing: float = 0.0
+    # Layer-wise learning-rate decay for fine-tuning a pretrained body (core/optim.py): block i of
+    # L learns at layer_decay ** (L - i) times the rate, the embeddings at layer_decay ** (L + 1),
+    # the head at the full rate. 1: off.
+    layer_decay: float = 1.0
 
     def __post_init__(self):
         require(
@@ -140,6 +144,7 @@ class OptimConfig:
             require(0 <= getattr(self, key) < 1, f"optim.{key}", getattr(self, key), "must be in [0, 1)")
         require(0 < self.eps < 1, "optim.eps", self.eps, "must be in (0, 1)")
         require(0 <= self.label_smoothing < 1, "optim.label_smoothing", self.label_smoothing, "must be in [0, 1)")
+        require(0 < self.layer_decay <= 1, "optim.layer_decay", self.layer_decay, "must be in (0, 1] (1: off)")
 
 
 @dataclass(frozen=True, kw_only=True)
