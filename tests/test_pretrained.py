@@ -18,7 +18,9 @@ import pytest
 import safetensors.numpy
 import tokenizers
 from flax import nnx
+from typer.testing import CliRunner
 
+from cli import app
 from core import pretrained
 from core.config import ModelConfig
 from core.errors import UserError
@@ -27,6 +29,7 @@ from core.optim import layer_scale
 from core.run import make_config
 from core.train import build_model
 from core.transformer import Model, Transformer
+from tasks.nlp import embed
 from tasks.nlp.sentiment import SentimentTask
 from tasks.nlp.tokenizer import PretrainedTokenizer, load_tokenizer
 
@@ -249,3 +252,15 @@ def test_layer_decay_acts_on_the_updates():
         updates["body"]["blocks"][0]["w"][0],
     )
     np.testing.assert_allclose([last / head, first / head], [0.5, 0.25], rtol=1e-6)
+
+
+def test_embed_matches_sentence_transformers_encode(tmp_path):
+    sentences = list(REFERENCE["sentences"])
+    vectors = embed.embed(sentences, batch_size=3)  # batches cut to different lengths
+    np.testing.assert_allclose(vectors, REFERENCE["normalized"], atol=1e-4, rtol=0)
+    (tmp_path / "texts.txt").write_text("\n".join(sentences[:2]) + "\n\n")
+    result = CliRunner().invoke(app, ["embed", "--file", str(tmp_path / "texts.txt"), "-o", str(tmp_path / "e.npz")])
+    assert result.exit_code == 0, result.output
+    written = np.load(tmp_path / "e.npz")
+    assert written["texts"].tolist() == sentences[:2]
+    np.testing.assert_allclose(written["embeddings"], REFERENCE["normalized"][:2], atol=1e-4, rtol=0)
