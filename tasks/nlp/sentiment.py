@@ -130,6 +130,8 @@ class SentimentTask(Task):
     presets: ClassVar[dict] = {"tiny": tiny, "base": base, "five": five, "minilm": minilm}
     default_preset: ClassVar[str] = "base"
     data_type: ClassVar[type] = SentimentData
+    # Reviews run from a few words to the length budget: batches of similar lengths, cut.
+    trim: ClassVar[dict[str, tuple[str, ...]]] = {"mask": ("inputs",)}
 
     config: Config
     data: str | None = None
