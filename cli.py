@@ -1,4 +1,4 @@
-"""The `apps` command line: tasks, train, eval, predict, report, bench.
+"""The `apps` command line: tasks, train, eval, predict, report, bench, embed.
 
 JAX and the task modules are imported inside the commands so that `apps --help` answers at
 once. A `UserError` from anywhere below is printed as one paragraph with exit code 1.
@@ -198,6 +198,39 @@ def predict(
     for row in rows:
         table.add_row(*row.values())
     _console().print(table)
+
+
+@app.command()
+@user_errors
+def embed(
+    texts: Annotated[
+        Optional[list[str]],
+        typer.Argument(help="Texts to embed; without them, the lines of --file, else of stdin."),
+    ] = None,
+    file: Annotated[Optional[Path], typer.Option(help="A UTF-8 text file, one text per line.")] = None,
+    output: Annotated[Path, typer.Option("--output", "-o", help="The .npz written: texts, embeddings.")] = Path(
+        "embeddings.npz"
+    ),
+    model: Annotated[
+        str, typer.Option(help="A Hugging Face encoder folder (config.json, model.safetensors, tokenizer.json).")
+    ] = "all-MiniLM-L6-v2",
+    max_len: Annotated[int, typer.Option(help="Tokens kept of each text.")] = 256,
+) -> None:
+    """Sentence embeddings of texts with a pretrained encoder (mean-pooled), written to an .npz."""
+    from tasks.nlp import embed as embed_lib
+
+    lines = list(texts or [])
+    if not lines and file is not None:
+        try:
+            lines = file.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as error:
+            raise UserError(f"--file {file}: {error}") from None
+    elif not lines and sys.stdin is not None and not sys.stdin.isatty():
+        lines = _stdin_lines()
+    lines = [line for line in lines if line.strip()]
+    vectors = embed_lib.embed(lines, model, max_len=max_len)
+    path = embed_lib.write(output, lines, vectors)
+    typer.echo(f"Wrote {len(lines)} embeddings of size {vectors.shape[1]} to {path}.")
 
 
 def _split_options(arguments: list[str]) -> tuple[list[str], dict[str, str]]:

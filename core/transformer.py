@@ -1,6 +1,8 @@
 """The shared Transformer body (Flax NNX) and the `Model` that joins a task's edges to it.
 
-Pre-norm blocks: x + Attention(Norm(x)), then x + MLP(Norm(x)), and a final norm. Attention is
+Pre-norm blocks: x + Attention(Norm(x)), then x + MLP(Norm(x)), and a final norm; or, with
+`norm_position="post"` (BERT, for its checkpoints: core/pretrained.py), Norm(x + Attention(x)),
+then Norm(x + MLP(x)), and no final norm. Attention is
 `core.attention` (`jax.nn.dot_product_attention`, or a blockwise kernel on CPU), fed from one
 fused QKV projection so that the hot matmul is a single large GEMM. Norms run in
 float32 whatever the compute dtype; dropout takes an explicit key so that train steps stay pure
@@ -41,8 +43,9 @@ def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
 class Norm(nnx.Module):
     """LayerNorm or RMSNorm over the last axis, computed in float32."""
 
-    def __init__(self, d_model: int, kind: str):
+    def __init__(self, d_model: int, kind: str, epsilon: float = 1e-6):
         self.kind = kind
+        self.epsilon = epsilon
         self.scale = nnx.Param(jnp.ones((d_model,)))
         self.bias = nnx.Param(jnp.zeros((d_model,))) if kind == "layernorm" else None
 
@@ -50,7 +53,7 @@ class Norm(nnx.Module):
         y = x.astype(jnp.float32)
         if self.kind == "layernorm":
             y = y - y.mean(-1, keepdims=True)
-        y = y * jax.lax.rsqrt((y * y).mean(-1, keepdims=True) + 1e-6)
+        y = y * jax.lax.rsqrt((y * y).mean(-1, keepdims=True) + self.epsilon)
         shape = (1,) * (y.ndim - 1) + (-1,)
         y = y * self.scale[...].reshape(shape)
         if self.bias is not None:
@@ -99,13 +102,17 @@ matmul.defvjp(_matmul_forward, _matmul_backward)
 
 
 class Dense(nnx.Module):
-    """A bias-free linear layer whose backward pass is `matmul`'s."""
+    """A linear layer whose backward pass is `matmul`'s; bias-free unless `bias` (BERT has them)."""
 
-    def __init__(self, inputs: int, outputs: int, *, rngs: nnx.Rngs):
+    def __init__(self, inputs: int, outputs: int, *, bias: bool = False, rngs: nnx.Rngs):
         self.kernel = nnx.Param(nnx.initializers.lecun_normal()(rngs.params(), (inputs, outputs)))
+        self.bias = nnx.Param(jnp.zeros((outputs,))) if bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return matmul(x, self.kernel[...].astype(x.dtype))
+        y = matmul(x, self.kernel[...].astype(x.dtype))
+        if self.bias is not None:
+            y = y + self.bias[...].astype(x.dtype).reshape((1,) * (y.ndim - 1) + (-1,))
+        return y
 
 
 class KeyValues(NamedTuple):
@@ -162,8 +169,8 @@ class Attention(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.config = config
         width = (config.num_heads + 2 * config.key_value_heads) * config.head_dim
-        self.qkv = Dense(config.d_model, width, rngs=rngs)
-        self.out = Dense(config.d_model, config.d_model, rngs=rngs)
+        self.qkv = Dense(config.d_model, width, bias=config.bias, rngs=rngs)
+        self.out = Dense(config.d_model, config.d_model, bias=config.bias, rngs=rngs)
 
     def __call__(
         self, x: jax.Array, mask: jax.Array, positions: jax.Array, cache: KeyValues | None, prefill: bool
@@ -198,9 +205,11 @@ class CrossAttention(nnx.Module):
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.config = config
-        self.query = Dense(config.d_model, config.num_heads * config.head_dim, rngs=rngs)
-        self.key_value = Dense(config.d_model, 2 * config.key_value_heads * config.head_dim, rngs=rngs)
-        self.out = Dense(config.d_model, config.d_model, rngs=rngs)
+        self.query = Dense(config.d_model, config.num_heads * config.head_dim, bias=config.bias, rngs=rngs)
+        self.key_value = Dense(
+            config.d_model, 2 * config.key_value_heads * config.head_dim, bias=config.bias, rngs=rngs
+        )
+        self.out = Dense(config.d_model, config.d_model, bias=config.bias, rngs=rngs)
 
     def project(self, memory: jax.Array) -> tuple[jax.Array, jax.Array]:
         """memory [B, S, D] -> its keys and values [B, S, K, H]."""
@@ -228,13 +237,14 @@ class CrossAttention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """GELU MLP, or SwiGLU with the gate and up projections fused into one matmul."""
+    """GELU MLP (tanh approximation, or "gelu_exact" with erf as BERT's checkpoints were trained),
+    or SwiGLU with the gate and up projections fused into one matmul."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.kind = config.mlp
         width = 2 * config.mlp_dim if self.kind == "swiglu" else config.mlp_dim
-        self.up = Dense(config.d_model, width, rngs=rngs)
-        self.down = Dense(config.mlp_dim, config.d_model, rngs=rngs)
+        self.up = Dense(config.d_model, width, bias=config.bias, rngs=rngs)
+        self.down = Dense(config.mlp_dim, config.d_model, bias=config.bias, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         h = self.up(x)
@@ -242,34 +252,51 @@ class MLP(nnx.Module):
             gate, h = jnp.split(h, 2, axis=-1)
             h = jax.nn.silu(gate) * h
         else:
-            h = jax.nn.gelu(h)
+            h = jax.nn.gelu(h, approximate=self.kind == "gelu")
         return self.down(h)
 
 
+def make_norm(config: ModelConfig) -> Norm:
+    return Norm(config.d_model, config.norm, config.norm_epsilon)
+
+
 class Block(nnx.Module):
-    """One pre-norm Transformer block; with `cross_attention`, a cross-attention sublayer over
-    the memory sits between the self-attention and the MLP."""
+    """One Transformer block, pre-norm or post-norm by `config.norm_position`; with
+    `cross_attention`, a cross-attention sublayer over the memory sits between the
+    self-attention and the MLP. Each sublayer's norm keeps its name in either order, so that
+    norm1 is the attention's and norm2 the MLP's."""
 
     def __init__(self, config: ModelConfig, *, cross_attention: bool = False, rngs: nnx.Rngs):
         self.rate = config.dropout
-        self.norm1 = Norm(config.d_model, config.norm)
+        self.post_norm = config.norm_position == "post"
+        self.norm1 = make_norm(config)
         self.attention = Attention(config, rngs=rngs)
         if cross_attention:
-            self.norm_cross = Norm(config.d_model, config.norm)
+            self.norm_cross = make_norm(config)
             self.cross_attention = CrossAttention(config, rngs=rngs)
         else:
             self.cross_attention = None
-        self.norm2 = Norm(config.d_model, config.norm)
+        self.norm2 = make_norm(config)
         self.mlp = MLP(config, rngs=rngs)
 
     def __call__(self, x, mask, positions, key, memory=None, memory_mask=None, cache=None, prefill=False):
         sublayers = 2 if self.cross_attention is None else 3
         k1, k2, k3 = ([None] * 3 if key is None else [*jax.random.split(key, sublayers), None])[:3]
-        y, cache = self.attention(self.norm1(x), mask, positions, cache, prefill)
-        x = x + dropout(y, self.rate, k1)
+        y, cache = self.attention(self._input(x, self.norm1), mask, positions, cache, prefill)
+        x = self._add(x, y, self.norm1, k1)
         if self.cross_attention is not None:
-            x = x + dropout(self.cross_attention(self.norm_cross(x), memory, memory_mask), self.rate, k3)
-        return x + dropout(self.mlp(self.norm2(x)), self.rate, k2), cache
+            y = self.cross_attention(self._input(x, self.norm_cross), memory, memory_mask)
+            x = self._add(x, y, self.norm_cross, k3)
+        return self._add(x, self.mlp(self._input(x, self.norm2)), self.norm2, k2), cache
+
+    def _input(self, x: jax.Array, norm: Norm) -> jax.Array:
+        """What a sublayer reads: the normalized stream (pre-norm) or the stream itself (post-norm)."""
+        return x if self.post_norm else norm(x)
+
+    def _add(self, x: jax.Array, y: jax.Array, norm: Norm, key: jax.Array | None) -> jax.Array:
+        """The residual sum with a sublayer's output y, normalized after it when post-norm."""
+        x = x + dropout(y, self.rate, key)
+        return norm(x) if self.post_norm else x
 
 
 class Transformer(nnx.Module):
@@ -282,10 +309,15 @@ class Transformer(nnx.Module):
         self.position_embedding = (
             nnx.Embed(config.max_len, config.d_model, rngs=rngs) if config.positions == "learned" else None
         )
+        self.token_type_embedding = (
+            nnx.Embed(config.token_types, config.d_model, rngs=rngs) if config.token_types else None
+        )
+        self.embedding_norm = make_norm(config) if config.embedding_norm else None
         self.blocks = nnx.List(
             [Block(config, cross_attention=cross_attention, rngs=rngs) for _ in range(config.num_layers)]
         )
-        self.final_norm = Norm(config.d_model, config.norm)
+        # Post-norm blocks end normalized already.
+        self.final_norm = make_norm(config) if config.norm_position == "pre" else None
         # Recompute each block's activations in the backward pass instead of storing them.
         self.apply_block = nnx.remat(Block.__call__) if remat else Block.__call__
 
@@ -297,13 +329,16 @@ class Transformer(nnx.Module):
         memory: jax.Array | None = None,
         memory_mask: jax.Array | None = None,
         dropout_key: jax.Array | None = None,
+        token_types: jax.Array | None = None,
     ) -> jax.Array:
         """x [B, T, D] embedded inputs, mask [B, T] true at real positions -> [B, T, D]; with
-        cross-attention, over `memory` [B, S, D] whose `memory_mask` [B, S] marks real positions."""
+        cross-attention, over `memory` [B, S, D] whose `memory_mask` [B, S] marks real positions.
+        `token_types` [B, T] are the segments of a body with a token-type table (None: all 0, one
+        sentence, as BERT reads it)."""
         self._check_memory(memory)
         B, T, _ = x.shape
         positions = jnp.broadcast_to(jnp.arange(T), (B, T))
-        return self._run(x, mask, positions, dropout_key, None, False, memory, memory_mask)[0]
+        return self._run(x, mask, positions, dropout_key, None, False, memory, memory_mask, token_types)[0]
 
     def project_memory(self, memory: jax.Array, memory_mask: jax.Array) -> Memory:
         """Every layer's cross-attention keys and values of `memory` [B, S, D], for a decoding
@@ -348,11 +383,17 @@ class Transformer(nnx.Module):
                 f" (cross_attention={self.cross_attention}, memory given: {memory is not None})."
             )
 
-    def _run(self, x, mask, positions, dropout_key, caches, prefill, memory=None, memory_mask=None):
+    def _run(self, x, mask, positions, dropout_key, caches, prefill, memory=None, memory_mask=None, token_types=None):
         """`memory` is the encoder's outputs [B, S, D] with `memory_mask` (training), or a
         `Memory` with each layer's keys and values (decoding); None without cross-attention."""
         if self.position_embedding is not None:
             x = x + self.position_embedding(positions).astype(x.dtype)
+        if self.token_type_embedding is not None:
+            if token_types is None:
+                token_types = jnp.zeros(positions.shape, jnp.int32)
+            x = x + self.token_type_embedding(token_types).astype(x.dtype)
+        if self.embedding_norm is not None:
+            x = self.embedding_norm(x)
         x = dropout(x, self.config.dropout, dropout_key)
         layers = []
         for i, block in enumerate(self.blocks):
@@ -365,7 +406,9 @@ class Transformer(nnx.Module):
                 mask_memory = None if memory is None else memory.mask
                 x, layer = block(x, mask, positions, None, layer_memory, mask_memory, caches[i], prefill)
                 layers.append(layer)
-        return self.final_norm(x), None if caches is None else tuple(layers)
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        return x, None if caches is None else tuple(layers)
 
 
 class Model(nnx.Module):

@@ -100,3 +100,17 @@ def test_a_front_end_may_change_the_length():
     assert hidden.shape == (2, 3, CONFIG.d_model)
     # The body and the head see the front end's mask: pairs with a real second token are real.
     np.testing.assert_array_equal(mask, [[True, True, False], [True, True, False]])
+
+
+def test_post_norm_blocks_end_normalized_with_biases_and_token_types():
+    # BERT's options (core/pretrained.py): every block ends in its MLP's norm, which at its
+    # initial scale 1 and bias 0 leaves each position with mean 0 and variance 1.
+    model = body(norm_position="post", embedding_norm=True, bias=True, token_types=2, mlp="gelu_exact")
+    assert model.final_norm is None and model.blocks[0].attention.qkv.bias is not None
+    x, mask = inputs(), jnp.ones((2, 10), bool)
+    out = model(x, mask)
+    np.testing.assert_allclose(out.mean(-1), 0, atol=1e-5)
+    np.testing.assert_allclose(out.var(-1), 1, atol=1e-3)
+    segments = jnp.asarray(np.arange(10) >= 5, jnp.int32)[None].repeat(2, 0)
+    assert not np.allclose(model(x, mask, token_types=segments), out)
+    np.testing.assert_allclose(model(x, mask, token_types=jnp.zeros((2, 10), jnp.int32)), out, atol=1e-6)

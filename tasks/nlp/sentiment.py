@@ -1,4 +1,6 @@
-"""Sentiment classification of reviews: an encoder over sentencepiece tokens, mean-pooled.
+"""Sentiment classification of reviews: an encoder over sentencepiece tokens, mean-pooled; or
+(`--preset minilm`) the pretrained all-MiniLM-L6-v2 encoder over its own WordPiece tokens,
+mean-pooled as sentence-transformers trained it, under a new classifier (core/pretrained.py).
 
 `--data synthetic` gives a small generated set with learnable structure, for tests.
 Default data: the 22,641 Women's E-Commerce Clothing Reviews (title and text) that ship in the
@@ -20,7 +22,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from core import losses
+from core import losses, pretrained
 from core import metrics as metric_lib
 from core.config import Config, ModelConfig, OptimConfig, TrainConfig
 from core.errors import UserError
@@ -28,7 +30,7 @@ from core.heads import PooledClassifier, TokenEmbedder
 from core.task import Task
 from tasks.nlp import data as text_data
 from tasks.nlp.scoring import classification_scores, tfidf_baseline
-from tasks.nlp.tokenizer import Tokenizer
+from tasks.nlp.tokenizer import PretrainedTokenizer, Tokenizer, load_tokenizer
 
 LABEL_SCHEMES = {"binary": ("negative", "positive"), "five": ("1", "2", "3", "4", "5")}
 
@@ -69,6 +71,22 @@ def base() -> Config:
     )
 
 
+def minilm() -> Config:
+    """all-MiniLM-L6-v2 fine-tuned: its encoder and WordPiece tokenizer, a new classifier over
+    the mean-pooled states, a small learning rate after a warm-up, as pretrained encoders need."""
+    return Config(
+        task="sentiment",
+        preset="minilm",
+        # 128 WordPiece tokens, the length the checkpoint was trained at, hold most reviews whole.
+        model=pretrained.architecture("all-MiniLM-L6-v2", max_len=128, dropout=0.1),
+        optim=OptimConfig(learning_rate=1e-4, warmup_steps=100, weight_decay=0.01, b2=0.999),
+        train=TrainConfig(
+            batch_size=32, eval_batch_size=256, steps=1000, eval_every=100, checkpoint_every=100, log_every=25
+        ),
+        data=SentimentData(),
+    )
+
+
 def five() -> Config:
     config = base()
     return dataclasses.replace(config, preset="five", data=dataclasses.replace(config.data, labels="five"))
@@ -78,7 +96,7 @@ def five() -> Config:
 class TextFeaturizer:
     """The tokenizer, the class names and the length budget: examples -> batch arrays."""
 
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | PretrainedTokenizer
     classes: tuple[str, ...]
     max_len: int
 
@@ -89,7 +107,7 @@ class TextFeaturizer:
     @classmethod
     def load(cls, directory: Path, max_len: int) -> TextFeaturizer:
         classes = tuple(json.loads((directory / "classes.json").read_text()))
-        return cls(Tokenizer.load(directory), classes, max_len)
+        return cls(load_tokenizer(directory), classes, max_len)
 
     def __call__(self, examples: Sequence[dict]) -> dict[str, np.ndarray]:
         ids, mask = self.tokenizer.encode([e["text"] for e in examples], self.max_len)
@@ -109,9 +127,11 @@ class SentimentTask(Task):
     model_summary: ClassVar[str] = "encoder + mean pool"
     metric_names: ClassVar[tuple[str, ...]] = ("macro_f1", "accuracy")
     best_metric: ClassVar[str] = "macro_f1"
-    presets: ClassVar[dict] = {"tiny": tiny, "base": base, "five": five}
+    presets: ClassVar[dict] = {"tiny": tiny, "base": base, "five": five, "minilm": minilm}
     default_preset: ClassVar[str] = "base"
     data_type: ClassVar[type] = SentimentData
+    # Reviews run from a few words to the length budget: batches of similar lengths, cut.
+    trim: ClassVar[dict[str, tuple[str, ...]]] = {"mask": ("inputs",)}
 
     config: Config
     data: str | None = None
@@ -171,7 +191,10 @@ class SentimentTask(Task):
     def fit_featurizer(self, train: Sequence[dict]) -> TextFeaturizer:
         options = self.config.data
         classes = LABEL_SCHEMES.get(options.labels) or tuple(sorted({str(e["label"]) for e in train}))
-        tokenizer = Tokenizer.train((e["text"] for e in train), options.vocab_size)
+        if self.config.model.pretrained is not None:
+            tokenizer = PretrainedTokenizer.from_checkpoint(self.config.model.pretrained)
+        else:
+            tokenizer = Tokenizer.train((e["text"] for e in train), options.vocab_size)
         return TextFeaturizer(tokenizer, classes, self.config.model.max_len)
 
     def load_featurizer(self, directory: Path) -> TextFeaturizer:

