@@ -19,23 +19,13 @@ import sacrebleu
 
 from core.config import modern_blocks
 from tasks.nlp import freedict
-from tasks.nlp.seq2seq import Seq2SeqData, Seq2SeqTask, normalized, preset
+from tasks.nlp.seq2seq import Seq2SeqData, Seq2SeqTask, preset
 
 MAX_WORDS = 24
 
 
-@dataclass(frozen=True, kw_only=True)
-class TranslateData(Seq2SeqData):
-    """`headwords`: also train on the dictionary's one-word headwords and their translations
-    (the default data only; none that is a valid or test source)."""
-
-    headwords: bool = True
-
-
 def tiny():
-    return preset(
-        "translate", "tiny", modern_blocks(32, 1, 2, 64, 32, 0.0), TranslateData(vocab_size=300), 20, 16, 3e-3
-    )
+    return preset("translate", "tiny", modern_blocks(32, 1, 2, 64, 32, 0.0), Seq2SeqData(vocab_size=300), 20, 16, 3e-3)
 
 
 def base():
@@ -44,7 +34,7 @@ def base():
         "translate",
         "base",
         modern_blocks(256, 2, 4, 704, 64, 0.1),
-        TranslateData(vocab_size=6000, source_len=40, target_len=40),
+        Seq2SeqData(vocab_size=6000, source_len=40, target_len=40),
         steps=2000,
         batch_size=64,
         lr=2e-3,
@@ -78,20 +68,8 @@ class TranslateTask(Seq2SeqTask):
     output_name: ClassVar[str] = "translation"
     presets: ClassVar[dict] = {"tiny": tiny, "base": base}
 
-    data_type: ClassVar[type] = TranslateData
-
     def pairs(self):
         return dictionary_pairs()
-
-    def examples(self, split: str) -> list[dict]:
-        examples = super().examples(split)
-        if split != "train" or self.data is not None or not self.config.data.headwords:
-            return examples
-        held_out = {normalized(e["source"]) for name in ("valid", "test") for e in super().examples(name)}
-        words = freedict.choose_senses(freedict.senses(), [e["target"] for e in examples])
-        side = self.config.data.direction == "forward"
-        pairs = [(word, translation) if side else (translation, word) for word, translation in words.items()]
-        return examples + [{"source": s, "target": t} for s, t in pairs if normalized(s) not in held_out]
 
     def protocol(self) -> dict[str, str]:
         limit = f"1 to {MAX_WORDS} words a side, " if self.data is None else ""
