@@ -11,6 +11,7 @@ sense chosen by the training targets' word counts, unknown words copied. With ot
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
@@ -41,10 +42,12 @@ def base():
     )
 
 
-def dictionary_pairs() -> list[tuple[str, str]]:
-    """The dictionary's usage examples of 1 to MAX_WORDS words a side, in dictionary order."""
+@functools.cache
+def dictionary_pairs() -> tuple[tuple[str, str], ...]:
+    """The dictionary's usage examples of 1 to MAX_WORDS words a side, in dictionary order;
+    parsed once per process (each split reads them)."""
     pairs = freedict.example_pairs(freedict.read().decode("utf-8"))
-    return [(s, t) for s, t in pairs if len(s.split()) <= MAX_WORDS and len(t.split()) <= MAX_WORDS]
+    return tuple((s, t) for s, t in pairs if len(s.split()) <= MAX_WORDS and len(t.split()) <= MAX_WORDS)
 
 
 def translation_scores(hypotheses: Sequence[str], references: Sequence[str]) -> dict:
