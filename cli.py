@@ -111,6 +111,10 @@ def train(
         Optional[list[str]], typer.Option("--set", help="Override KEY=VALUE, e.g. train.steps=500; repeatable.")
     ] = None,
     data: DataOpt = None,
+    init_from: Annotated[
+        Optional[Path],
+        typer.Option(help="Another run's folder: start from its embedder and body weights (fresh head)."),
+    ] = None,
     coordinator: Annotated[Optional[str], typer.Option(help="Multi-process: coordinator HOST:PORT.")] = None,
     num_processes: Annotated[Optional[int], typer.Option(help="Multi-process: number of processes.")] = None,
     process_id: Annotated[Optional[int], typer.Option(help="Multi-process: this process's index.")] = None,
@@ -122,7 +126,8 @@ def train(
 
     sharding.initialize_distributed(coordinator, num_processes, process_id)
     workdir = workdir or Path("runs") / task
-    metrics = run.train(task_type, workdir=workdir, preset=preset, overrides=set_ or [], data=data, console=_console())
+    overrides = [*(set_ or []), *([f"model.init_from={str(init_from)!r}"] if init_from else [])]
+    metrics = run.train(task_type, workdir=workdir, preset=preset, overrides=overrides, data=data, console=_console())
     _print_metrics(f"{task}: validation", metrics)
     typer.echo(f"Run saved in {workdir}.")
 

@@ -31,10 +31,12 @@ log = logging.getLogger("apps")
 
 
 class _ReadOnlyNotice(logging.Filter):
-    """Drops orbax's warning that a manager opened read-only (for eval and predict) is read-only."""
+    """Drops orbax's notices that a manager opened read-only (for eval and predict) is read-only
+    and that an item read on its own (`read_params`) has no step metadata beside it."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("Given directory is read only")
+        message = record.getMessage()
+        return not message.startswith(("Given directory is read only", "Metadata file does not exist"))
 
 
 logging.getLogger("absl").addFilter(_ReadOnlyNotice())
@@ -114,6 +116,28 @@ class Checkpoints:
             restored = self._newest(manager, source, items)
             if restored is not None:
                 return Restored(restored.value["params"], restored.step, source)
+        raise UserError(f"No readable checkpoint in {self.workdir}: train there first with `apps train`.")
+
+    def read_params(self) -> Restored:
+        """The best (else the latest) parameters as saved, on one device: for another run to
+        start from (`model.init_from`), whatever its model and mesh."""
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        checkpointer = ocp.StandardCheckpointer()
+        for manager, source in ((self.best, "best"), (self.latest, "checkpoints")):
+            for step in sorted(manager.all_steps(), reverse=True):
+                path = Path(manager.directory) / str(step) / "params"
+                try:
+                    saved = checkpointer.metadata(path).item_metadata
+                    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), saved)
+                    return Restored(checkpointer.restore(path, target), step, source)
+                except Exception as error:  # as in _newest: a damaged checkpoint raises many types
+                    log.warning(
+                        "Skipped the checkpoint %s/%d in %s: it cannot be read (%s).",
+                        source,
+                        step,
+                        self.workdir,
+                        type(error).__name__,
+                    )
         raise UserError(f"No readable checkpoint in {self.workdir}: train there first with `apps train`.")
 
     def _newest(self, manager: ocp.CheckpointManager, source: str, items: dict) -> Restored | None:

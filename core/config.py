@@ -55,6 +55,9 @@ class ModelConfig:
     # core/pretrained.py) whose weights a new run starts from; the run takes its architecture
     # (the fields above but dropout, max_len and attention), and a --set that contradicts it fails.
     pretrained: str | None = None
+    # Another run's folder (`apps train --init-from`): the new run's embedder and body start from
+    # that run's best weights (core/transfer.py); its sizes must be the same.
+    init_from: str | None = None
 
     def __post_init__(self):
         for key in ("d_model", "num_layers", "num_heads", "mlp_dim", "max_len"):
@@ -87,6 +90,10 @@ class ModelConfig:
         require(self.token_types >= 0, "model.token_types", self.token_types, "must be >= 0 (0: no token types)")
         if self.pretrained is not None:
             require(bool(self.pretrained.strip()), "model.pretrained", self.pretrained, "must name a checkpoint")
+        if self.init_from is not None:
+            require(
+                self.pretrained is None, "model.init_from", self.init_from, "and model.pretrained exclude each other"
+            )
 
     @property
     def key_value_heads(self) -> int:

@@ -27,7 +27,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import jax.numpy as jnp
 import numpy as np
@@ -329,6 +329,20 @@ def flat_params(model: nnx.Module) -> dict[str, np.ndarray]:
     return flat
 
 
+def set_params(model: nnx.Module, values: dict[str, Any]) -> None:
+    """Sets the parameters named by dotted path (as `flat_params` names them) to `values`."""
+    state = nnx.state(model, nnx.Param)
+    pure = nnx.to_pure_dict(state)
+    for path, value in values.items():
+        node = pure
+        *parents, leaf = path.split(".")
+        for key in parents:
+            node = node[int(key) if key.isdigit() else key]
+        node[leaf] = value
+    nnx.replace_by_pure_dict(state, pure)
+    nnx.update(model, state)
+
+
 def load(model: nnx.Module, name_or_path: str) -> Report:
     """Fills `model` (a `core.transformer.Model` of a token embedder and a body of the
     checkpoint's architecture) from the checkpoint's weights.
@@ -357,16 +371,7 @@ def load(model: nnx.Module, name_or_path: str) -> Report:
         rule.target: jnp.asarray(rule.join(tensors, params[rule.target].shape), params[rule.target].dtype)
         for rule in mapping
     }
-    state = nnx.state(model, nnx.Param)
-    pure = nnx.to_pure_dict(state)
-    for path, value in values.items():
-        node = pure
-        *parents, leaf = path.split(".")
-        for key in parents:
-            node = node[int(key) if key.isdigit() else key]
-        node[leaf] = value
-    nnx.replace_by_pure_dict(state, pure)
-    nnx.update(model, state)
+    set_params(model, values)
     used = {name for rule in mapping for name in rule.sources}
     return Report(
         checkpoint.weights,

@@ -97,7 +97,7 @@ def train(
     if jax.process_index() == 0 and not config_path.exists():
         write_json(config_path, config.to_dict())
     valid_examples = _examples(task, "valid")
-    train_arrays, valid_arrays = featurizer(train_examples), featurizer(valid_examples)
+    train_arrays, valid_arrays = task.featurize_train(featurizer, train_examples), featurizer(valid_examples)
     console.print(
         f"{task.name}: {len(train_examples)} train, {len(valid_examples)} valid examples; "
         f"featurized in {time.perf_counter() - started:.1f}s on {jax.device_count()} device(s)."

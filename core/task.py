@@ -185,6 +185,12 @@ class Task(Protocol):
     # the featurizer's width.
     trim: ClassVar[dict[str, tuple[str, ...]]] = {}
 
+    def featurize_train(self, featurizer: Featurizer, examples: Sequence[Example]) -> Batch:
+        """The training split's arrays. The default featurizes them as any split; a task whose
+        training rows differ (whole sequences that `augment` crops at random, where evaluation
+        reads sliding windows) overrides it."""
+        return featurizer(examples)
+
     def augment(self, batch: Batch, rng: np.random.Generator) -> Batch:
         """Applied to each global training batch with a generator seeded by (seed, step): random
         masking, negative sampling. The default leaves the batch as it is."""

