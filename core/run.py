@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 from rich.console import Console
@@ -218,6 +219,23 @@ def predict_loaded(
         arrays = featurizer(examples)
         _, predictions = evaluate_arrays(loaded.steps, loaded.params, arrays, task.config.train.eval_batch_size)
     return task.render(predictions, examples, featurizer)
+
+
+def embed(
+    task_type: type, workdir: str | Path, lines: Sequence[str], per_position: bool = False
+) -> dict[str, np.ndarray]:
+    """Embeddings by example id of the inputs `lines` (as `apps predict` reads them) from the body
+    of the run in `workdir`: [D] each, or [L, D] with `per_position`."""
+    loaded = load(task_type, workdir)
+    task = loaded.task
+    examples = task.parse_inputs(lines, read_predict_options(task.predict_options, {}, task.name))
+    model = nnx.merge(loaded.steps.graphdef, loaded.params)
+    vectors = task.embed(model, loaded.featurizer, examples, per_position)
+    ids = [str(e["id"]) for e in examples]
+    repeated = sorted({i for i in ids if ids.count(i) > 1})
+    if repeated:
+        raise UserError(f"Embeddings are keyed by id, and these ids repeat: {', '.join(repeated[:5])}.")
+    return dict(zip(ids, vectors))
 
 
 def report(workdir: str | Path) -> dict[str, Any]:

@@ -169,6 +169,13 @@ class Task(Protocol):
         text piece by piece as it is produced, for a terminal to stream."""
         raise NotImplementedError(f"{self.name} does not generate.")
 
+    def embed(
+        self, model: nnx.Module, featurizer: Featurizer, examples: Sequence[Example], per_position: bool = False
+    ) -> list[np.ndarray]:
+        """For `apps embed TASK --workdir DIR`: each example's embedding [D] from the model's body
+        (or [L, D], one per position, with `per_position`)."""
+        raise UserError(f"apps embed does not read {self.name} runs.")
+
     # Named decodings, as values of `predict_options` ({"greedy": {"beams": 1}, "beam": {"beams":
     # 4}}), under which `apps eval` generates for the split and reports `score_generated` side by
     # side. Empty, the default: evaluation is the forward pass alone.

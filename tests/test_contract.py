@@ -65,6 +65,7 @@ def test_splits_and_batches(setup):
         examples = train if split == "train" else task.examples(split)
         assert examples, split
         check_batch(featurizer(examples))
+    check_batch(task.featurize_train(featurizer, train))
     assert {"dataset", "protocol"} <= set(task.protocol())
 
 
@@ -74,7 +75,7 @@ def test_trains_a_few_steps(setup, dtype):
     config = apply_overrides(task_type.presets["tiny"](), [f"train.compute_dtype={dtype}"])
     task = task_type(config=config, data="synthetic")
     compiled = make_steps(task, build_model(task, featurizer, config), config, 3)
-    state, arrays = compiled.state, featurizer(train)
+    state, arrays = compiled.state, task.featurize_train(featurizer, train)
     for step, local in enumerate(
         islice(data_lib.train_batches(arrays, 16, 0, augment=task.augment, trim=task.trim), 3)
     ):

@@ -77,11 +77,17 @@ def embed(texts: Sequence[str], model: str = DEFAULT_MODEL, *, max_len: int = 25
     return result
 
 
-def write(path: str | Path, texts: Sequence[str], vectors: np.ndarray) -> Path:
-    """An .npz with `texts` [N] and `embeddings` [N, D]."""
+def output_path(path: str | Path) -> Path:
+    """`path`, checked to be an .npz, with its folder made."""
     path = Path(path)
     if path.suffix != ".npz":
         raise UserError(f"--output {path}: the embeddings are written as .npz; name the file so.")
     path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def write(path: str | Path, texts: Sequence[str], vectors: np.ndarray) -> Path:
+    """An .npz with `texts` [N] and `embeddings` [N, D]."""
+    path = output_path(path)
     np.savez(path, texts=np.array(list(texts)), embeddings=vectors.astype(np.float32))
     return path

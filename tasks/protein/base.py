@@ -26,6 +26,7 @@ from core.config import Config, ModelConfig, OptimConfig, TrainConfig, modern_bl
 from core.errors import UserError
 from core.heads import TokenEmbedder
 from core.task import Task
+from tasks.protein import data as protein_data
 from tasks.protein import sequences
 
 Level = Literal["masked", "sequence", "residue"]
@@ -235,7 +236,11 @@ class ProteinTask(Task):
     data: str | None = None
 
     def records(self, label_column: str | None) -> list[dict]:
-        """The user's --data records (this task's default when None is given is the subclass's)."""
+        """The records of --data (each task reads its default itself), labelled from
+        `label_column`; "synthetic": `protein_data.synthetic()`, labelled for this task's level."""
+        if self.data == "synthetic":
+            label = {"masked": None, "sequence": "label", "residue": "structure"}[self.level]
+            return [{**r, "label": r[label] if label else None} for r in protein_data.synthetic()]
         o = self.config.data
         return sequences.read_sequences(self.data, o.sequence_column, label_column, o.id_column)
 
@@ -276,20 +281,17 @@ class ProteinTask(Task):
         return [{**r, "label": None} for r in records]
 
     def embed(
-        self, model: nnx.Module, featurizer: ResidueFeaturizer, examples: Sequence[dict], per_residue: bool = False
+        self, model: nnx.Module, featurizer: ResidueFeaturizer, examples: Sequence[dict], per_position: bool = False
     ) -> list[np.ndarray]:
-        """Per-sequence mean embeddings [D] (or per-residue [L, D]) of the body's last states,
-        averaged over the windows that cover each residue."""
-        rows = featurizer(examples)
-        forward = nnx.jit(lambda encoder, ids, mask: encoder(ids, mask))
+        """Per-sequence mean embeddings [D] (or per-residue [L, D]) of the body's last states over
+        the sequences as they are (never masked), averaged over the windows covering each residue."""
+        codes = [sequences.encode(e["sequence"], e["id"]) for e in examples]
+        rows = sequences.windows({"inputs": codes}, featurizer.max_len)
+        forward = nnx.jit(lambda encoder, ids: encoder(ids, ids != sequences.PAD))
         encoder, size = Encoder(model), self.config.train.eval_batch_size
+        ids = rows["inputs"].astype(np.int32)
         hidden = np.concatenate(
-            [
-                np.asarray(
-                    forward(encoder, jnp.asarray(rows["inputs"][i : i + size]), jnp.asarray(rows["mask"][i : i + size]))
-                )
-                for i in range(0, len(rows["inputs"]), size)
-            ]
+            [np.asarray(forward(encoder, jnp.asarray(ids[i : i + size]))) for i in range(0, len(ids), size)]
         )
-        residues = sequences.merge_windows(hidden, rows["sequence"], rows["offset"], featurizer.lengths(examples))
-        return residues if per_residue else [r.mean(0) for r in residues]
+        residues = sequences.merge_windows(hidden, rows["sequence"], rows["offset"], [len(c) for c in codes])
+        return residues if per_position else [r.mean(0) for r in residues]

@@ -65,7 +65,7 @@ def family() -> Config:
     """Protein families, with the protein-mlm base body's sizes, so that a run can start from it
     (`--init-from`)."""
     config = protein_config(
-        "protein-class", "family", encoder(128, 4, 256), steps=600, batch_size=32, lr=1e-3, eval_every=100
+        "protein-class", "family", encoder(128, 4, 128), steps=600, batch_size=32, lr=1e-3, eval_every=100
     )
     return dataclasses.replace(config, data=dataclasses.replace(config.data, labels="family"))
 

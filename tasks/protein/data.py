@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import random
 from collections import Counter
 from pathlib import Path
 
@@ -71,3 +72,30 @@ SECONDARY_STRUCTURE_SUMMARY = "none embedded: give --data"
 
 def secondary_structure() -> tuple[dict, ...]:
     raise UserError("protein-residue has no embedded data: give a table of sequences and label strings with --data.")
+
+
+# Residues that favour each kind of segment: helices, strands, loops.
+SEGMENT_RESIDUES = {"H": "AELMKQR", "E": "VIYFWTC", "C": "GPNDSTH"}
+
+
+def synthetic(count: int = 600, seed: int = 0) -> tuple[dict, ...]:
+    """Sequences with learnable structure, for tests: runs of helix (H), strand (E) and loop (C)
+    segments, 4-12 residues each, whose residues are drawn from the segment's favoured letters
+    (80%) or from all 20 (20%), so that a residue's label depends on its neighbours too. Each
+    record carries its label string (`structure`) and its class: which of H and E it has more of."""
+    rng = random.Random(seed)
+    records = []
+    for number in range(count):
+        residues, labels = [], []
+        for _ in range(rng.randint(3, 14)):
+            kind = rng.choice("HEC")
+            for _ in range(rng.randint(4, 12)):
+                pool = SEGMENT_RESIDUES[kind] if rng.random() < 0.8 else sequences.AMINO_ACIDS
+                residues.append(rng.choice(pool))
+                labels.append(kind)
+        structure = "".join(labels)
+        label = "helix" if structure.count("H") >= structure.count("E") else "strand"
+        records.append(
+            {"id": f"synthetic-{number}", "sequence": "".join(residues), "label": label, "structure": structure}
+        )
+    return tuple(records)
