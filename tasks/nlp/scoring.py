@@ -10,9 +10,12 @@ from sklearn.feature_extraction.text import TfidfVectorizer
 from sklearn.linear_model import LogisticRegression
 from sklearn.metrics import accuracy_score, f1_score, precision_recall_fscore_support
 
+PER_CLASS_LIMIT = 10
+
 
 def classification_scores(truth: Sequence[int], predicted: Sequence[int], classes: Sequence[str]) -> dict[str, float]:
-    """Accuracy, macro-F1 and per-class precision and recall."""
+    """Accuracy, macro-F1 and, for up to PER_CLASS_LIMIT classes, per-class precision and recall
+    (beyond that, a table of them would bury the rest)."""
     labels = list(range(len(classes)))
     truth, predicted = np.asarray(truth), np.asarray(predicted)
     precision, recall, _, _ = precision_recall_fscore_support(truth, predicted, labels=labels, zero_division=0)
@@ -20,7 +23,7 @@ def classification_scores(truth: Sequence[int], predicted: Sequence[int], classe
         "accuracy": float(accuracy_score(truth, predicted)),
         "macro_f1": float(f1_score(truth, predicted, labels=labels, average="macro", zero_division=0)),
     }
-    for name, p, r in zip(classes, precision, recall):
+    for name, p, r in zip(classes if len(classes) <= PER_CLASS_LIMIT else (), precision, recall):
         scores[f"precision_{name}"] = float(p)
         scores[f"recall_{name}"] = float(r)
     return scores

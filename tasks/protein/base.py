@@ -46,6 +46,8 @@ class ProteinData:
     mask_rate: float = 0.15
     # protein-class: the embedded labels: AMP vs UniProt, or the protein family.
     labels: Literal["amp", "family"] = "amp"
+    # protein-residue: the embedded DSSP states, eight or reduced to three.
+    states: Literal["q3", "q8"] = "q3"
 
     def __post_init__(self):
         if self.piece_len < 1:
@@ -78,6 +80,14 @@ def protein_config(
             log_every=max(1, min(50, steps // 10)),
         ),
         data=data or ProteinData(),
+    )
+
+
+def tiny_config(task: str) -> Config:
+    """A one-layer model and a few steps, for tests."""
+    model = encoder(32, 1, 64, 0.0)
+    return protein_config(
+        task, "tiny", model, steps=20, batch_size=16, lr=3e-3, data=ProteinData(piece_len=128), eval_every=10
     )
 
 

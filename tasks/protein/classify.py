@@ -38,20 +38,11 @@ from core.heads import PooledClassifier
 from tasks.nlp.scoring import classification_scores
 from tasks.protein import data as protein_data
 from tasks.protein import sequences
-from tasks.protein.base import ProteinData, ProteinTask, ResidueFeaturizer, encoder, protein_config
+from tasks.protein.base import ProteinTask, ResidueFeaturizer, encoder, protein_config, tiny_config
 
 
 def tiny() -> Config:
-    return protein_config(
-        "protein-class",
-        "tiny",
-        encoder(32, 1, 64, 0.0),
-        steps=20,
-        batch_size=16,
-        lr=3e-3,
-        data=ProteinData(piece_len=128),
-        eval_every=10,
-    )
+    return tiny_config("protein-class")
 
 
 def base() -> Config:

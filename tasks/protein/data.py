@@ -17,7 +17,7 @@ from collections import Counter
 from pathlib import Path
 
 from core.errors import UserError
-from tasks.protein import sequences
+from tasks.protein import sequences, structure_db
 
 UNIPROT_PATH = Path("/usr/share/doc/mmseqs2/example-data/DB.fasta.gz")
 UNIPROT_PACKAGE = "mmseqs2-examples"
@@ -67,11 +67,35 @@ def families(records: tuple[dict, ...]) -> list[dict]:
     return [{**r, "label": r["name"]} for r in named if sizes[r["name"]] >= MIN_FAMILY_SIZE]
 
 
-SECONDARY_STRUCTURE_SUMMARY = "none embedded: give --data"
+PROMOD3_PATH = Path("/usr/share/promod3/loop_data/structure_db.dat")
+PROMOD3_PACKAGE = "promod3-data"
+SECONDARY_STRUCTURE_SUMMARY = "DSSP secondary structure of 20,600 PDB chains (Debian promod3-data)"
+# Chains shorter than this are fragments; left out.
+MIN_CHAIN_LENGTH = 30
+# The eight DSSP states, and the usual reduction to three: helices (H, G, I), strands (E, B),
+# the rest coil (C: turns T, bends S and no structure, which ProMod3 writes as C).
+Q3 = {"H": "H", "G": "H", "I": "H", "E": "E", "B": "E", "T": "C", "S": "C", "C": "C"}
 
 
-def secondary_structure() -> tuple[dict, ...]:
-    raise UserError("protein-residue has no embedded data: give a table of sequences and label strings with --data.")
+@functools.cache
+def secondary_structure(states: str = "q3") -> tuple[dict, ...]:
+    """The chains of ProMod3's structure database with their DSSP states (Q8), or reduced to Q3."""
+    if not PROMOD3_PATH.is_file():
+        raise UserError(
+            f"The protein-residue default data {PROMOD3_PATH} is missing: install the Debian package "
+            f"{PROMOD3_PACKAGE} (`apt-get install {PROMOD3_PACKAGE}`, 371 MB), or give your own sequences and "
+            "label strings with --data."
+        )
+    try:
+        chains = structure_db.read_structure_db(PROMOD3_PATH)
+    except ValueError as error:
+        raise UserError(f"{PROMOD3_PATH}: {error}") from None
+    reduce = Q3.get if states == "q3" else (lambda state: state)
+    return tuple(
+        {"id": f"{pdb}_{chain}", "sequence": sequence, "label": "".join(map(reduce, dssp))}
+        for pdb, chain, sequence, dssp in chains
+        if len(sequence) >= MIN_CHAIN_LENGTH
+    )
 
 
 # Residues that favour each kind of segment: helices, strands, loops.

@@ -29,12 +29,12 @@ from tasks.protein import data as protein_data
 from tasks.protein import sequences
 from tasks.protein.base import (
     FIRST_RESIDUE,
-    ProteinData,
     ProteinTask,
     ResidueFeaturizer,
     corrupt,
     encoder,
     protein_config,
+    tiny_config,
 )
 
 # In `apps predict protein-mlm` input, the residues to fill.
@@ -42,16 +42,7 @@ FILL = "?"
 
 
 def tiny() -> Config:
-    return protein_config(
-        "protein-mlm",
-        "tiny",
-        encoder(32, 1, 64, 0.0),
-        steps=20,
-        batch_size=16,
-        lr=3e-3,
-        data=ProteinData(piece_len=128),
-        eval_every=10,
-    )
+    return tiny_config("protein-mlm")
 
 
 def base() -> Config:
