@@ -12,6 +12,7 @@ REGISTRY = {
     "translate": "tasks.nlp.translate:TranslateTask",
     "summarize": "tasks.nlp.summarize:SummarizeTask",
     "recsys": "tasks.recsys.sequential:RecsysTask",
+    "speech": "tasks.speech.asr:SpeechTask",
 }
 
 
