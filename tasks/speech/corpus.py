@@ -51,7 +51,7 @@ PITCHES = (25, 75)  # 0-100, 50 being the voice's own
 SILENCE = (0.05, 0.3)  # seconds of silence before and after, each
 SIZES = {
     "digits": {"train": 6000, "valid": 300, "test": 400},
-    "sentences": {"train": 9000, "valid": 300, "test": 400},
+    "sentences": {"train": 7000, "valid": 200, "test": 300},
     # Small enough to render in a second or two, for tests (never cached on disk).
     "synthetic": {"train": 64, "valid": 16, "test": 16},
 }
