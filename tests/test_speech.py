@@ -111,12 +111,13 @@ def test_front_end_mask_matches_its_lengths_and_ignores_padding():
     lengths = np.array([5, 8, 1, 13])
     front = ConvSubsampling(16, 12, channels=4, layers=2, rngs=nnx.Rngs(0))
     frames = np.random.default_rng(0).normal(size=(4, 13, 16)).astype(np.float32)
+    apply = nnx.jit(lambda module, x, mask: module(x, mask))
     outputs = []
     for width in (13, 21):
         padded = np.zeros((4, width, 16), np.float32)
         padded[:, :13] = frames
         mask = np.arange(width)[None, :] < lengths[:, None]
-        x, new_mask = front(jnp.asarray(np.where(mask[..., None], padded, 7.0)), jnp.asarray(mask))
+        x, new_mask = apply(front, jnp.asarray(np.where(mask[..., None], padded, 7.0)), jnp.asarray(mask))
         assert x.shape[:2] == new_mask.shape == (4, subsampled_lengths(width, 2))
         np.testing.assert_array_equal(np.asarray(new_mask).sum(1), subsampled_lengths(lengths, 2))
         outputs.append((np.asarray(x), np.asarray(new_mask)))

@@ -154,7 +154,6 @@ class SpeechFeaturizer:
 def raw_frames(examples: Sequence[dict], max_seconds: float) -> list[np.ndarray]:
     """Log-mel frames of each example's clip, refusing clips longer than `max_seconds`."""
     from rich.progress import track
-
     from threadpoolctl import threadpool_limits
 
     results = []
