@@ -249,3 +249,14 @@ def test_train_eval_predict_end_to_end(tmp_path):
     assert result.exit_code == 0 and "a.wav" in result.output and "b.flac" in result.output, result.output
     result = runner.invoke(app, ["predict", "speech", "--workdir", str(workdir), str(tmp_path / "nothing.wav")])
     assert result.exit_code == 1 and "no such audio file" in result.output and "Traceback" not in result.output
+
+
+def test_sentencepiece_units_round_trip(tmp_path):
+    from tasks.speech.featurizer import fit_featurizer
+
+    train = corpus.load_corpus("synthetic")["train"]
+    fitted = fit_featurizer(train, SpeechData(units="pieces", vocab_size=30))
+    fitted.save(tmp_path)
+    loaded = SpeechFeaturizer.load(tmp_path, SpeechData(units="pieces"))
+    ids = loaded.encode("three oh seven", "here")
+    assert 0 not in ids and loaded.decode(ids) == "three oh seven" and loaded.vocab_size == fitted.vocab_size

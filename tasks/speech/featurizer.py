@@ -2,7 +2,8 @@
 
 Fitted on the training split: the per-bin mean and deviation of the log-mel frames (of up to
 `STATS_CLIPS` clips) and, for `data.units=pieces`, a sentencepiece model of the transcripts.
-Label id 0 is CTC's blank; characters of `data.alphabet` (or pieces) follow.
+Label id 0 is CTC's blank; characters of `data.alphabet` follow (or the pieces, whose padding
+id 0 is the blank).
 
 A loaded featurizer knows its folder, and caches the frames of every list of examples with
 stable ids (the corpus's utterances, the user's files with their size and time) in
@@ -70,7 +71,8 @@ class SpeechFeaturizer:
 
     @property
     def vocab_size(self) -> int:
-        return 1 + (self.tokenizer.vocab_size if self.tokenizer is not None else len(self.alphabet))
+        # Pieces: the tokenizer's padding id 0 never labels anything and serves as the blank.
+        return self.tokenizer.vocab_size if self.tokenizer is not None else 1 + len(self.alphabet)
 
     def save(self, directory: Path) -> None:
         state = {"units": self.units, "alphabet": self.alphabet, "mean": self.mean.tolist(), "std": self.std.tolist()}
@@ -99,8 +101,7 @@ class SpeechFeaturizer:
 
     def encode(self, text: str, where: str) -> list[int]:
         if self.tokenizer is not None:
-            ids, mask = self.tokenizer.encode([text], 1 + 2 * len(text))
-            return [int(i) + 1 for i in ids[0][mask[0]]]
+            return [int(i) for i in self.tokenizer.processor.encode(text)]
         unknown = sorted({c for c in text if c not in self.alphabet})
         if unknown:
             raise UserError(
@@ -112,7 +113,7 @@ class SpeechFeaturizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         if self.tokenizer is not None:
-            return self.tokenizer.decode([i - 1 for i in ids])
+            return self.tokenizer.decode(ids)
         return "".join(self.alphabet[i - 1] for i in ids)
 
     def frames(self, examples: Sequence[dict]) -> list[np.ndarray]:
