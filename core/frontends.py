@@ -49,14 +49,16 @@ class ConvSubsampling(nnx.Module):
         self.projection = nnx.Linear(channels * self.out_features, d_model, rngs=rngs)
 
     def __call__(self, frames: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+        # The parameters' dtype is the compute dtype (float32, or bfloat16 when the train step casts
+        # them); frames may come in a narrower storage dtype (float16).
+        dtype = self.projection.kernel.dtype
         lengths = mask.sum(-1)
-        x = frames[..., None]  # [B, T, F, 1]: time and feature are the two spatial axes
+        x = frames.astype(dtype)[..., None]  # [B, T, F, 1]: time and feature are the two spatial axes
         for conv in self.convs:
-            x = x * mask[:, :, None, None].astype(x.dtype)
-            # The compute dtype is the input's (nnx.Conv would promote to its float32 kernel).
-            x = jax.nn.relu(conv(x).astype(frames.dtype))
+            x = x * mask[:, :, None, None].astype(dtype)
+            x = jax.nn.relu(conv(x).astype(dtype))
             lengths = subsampled_lengths(lengths, 1)
             mask = jnp.arange(x.shape[1])[None, :] < lengths[:, None]
         B, T, F, C = x.shape
-        x = x * mask[:, :, None, None].astype(x.dtype)
-        return self.projection(x.reshape(B, T, F * C)).astype(frames.dtype), mask
+        x = x * mask[:, :, None, None].astype(dtype)
+        return self.projection(x.reshape(B, T, F * C)).astype(dtype), mask
