@@ -39,7 +39,9 @@ def prefix_beam_search(log_probs: np.ndarray, beam_width: int = 8, prune: float 
     those that end in its last label; extending by the same label as the last one only counts
     paths that ended in a blank (otherwise the repeat merges). `prune` skips, at each frame, the
     labels whose log-probability is below it (they cannot change the kept beams meaningfully);
-    the best label of each frame is always considered.
+    the best label of each frame is always considered. At width 1 it keeps the greedy path's
+    labels whenever each frame's best label holds more than 1/sqrt(2) of the mass; elsewhere
+    it may differ, as it ranks prefixes by all their paths, not by the best one.
     """
     log_probs = np.asarray(log_probs, np.float64)
     beams: dict[tuple[int, ...], tuple[float, float]] = {(): (0.0, -np.inf)}  # prefix -> (blank, label)
