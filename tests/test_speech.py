@@ -188,7 +188,7 @@ def test_manifest_problems_are_named_by_line(tmp_path):
     with pytest.raises(UserError) as error:
         load_user_data(str(manifest), SpeechData())
     message = str(error.value)
-    assert "3 manifest lines" in message and "m.csv line 3: no such file" in message
+    assert "3 manifest line(s)" in message and "m.csv line 3: no such file" in message
     assert "m.csv line 4: no audio path" in message and "m.csv line 5: empty transcript" in message
     manifest.write_text("path,sentence\na.wav,hello\n")
     with pytest.raises(UserError, match="has no column 'audio', 'text'"):

@@ -83,7 +83,7 @@ def _folder(folder: Path) -> list[dict]:
     if not clips:
         raise UserError(f"--data {folder}: no {', '.join(audio_lib.FORMATS)} files in this folder.")
     missing = [str(p.with_suffix(".txt")) for p in clips if not p.with_suffix(".txt").is_file()]
-    _report(missing, "clips have no transcript file beside them")
+    _report(missing, "clip(s) have no transcript file beside them")
     examples, empty = [], []
     for path in clips:
         text = normalize(path.with_suffix(".txt").read_text(encoding="utf-8", errors="replace"))
@@ -91,7 +91,7 @@ def _folder(folder: Path) -> list[dict]:
             empty.append(str(path.with_suffix(".txt")))
         name = str(path.relative_to(folder))
         examples.append(_file_example(path, text, str(path), _hash_split(name)))
-    _report(empty, "transcript files are empty")
+    _report(empty, "transcript file(s) are empty")
     return examples
 
 
@@ -122,7 +122,7 @@ def _manifest(path: Path, audio_column: str, text_column: str) -> list[dict]:
             problems.append(f"{where}: split {splits[row]!r} is not one of {', '.join(SPLIT_NAMES)}")
             continue
         examples.append(_file_example(clip_path, text, f"{where} ({name})", split))
-    _report(problems, "manifest lines cannot be used")
+    _report(problems, "manifest line(s) cannot be used")
     if not examples:
         raise UserError(f"--data {path} has no rows.")
     return examples
