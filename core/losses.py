@@ -109,3 +109,24 @@ def _fused_ce_backward(smoothing, chunk, residuals, cotangent):
 
 
 _fused_ce.defvjp(_fused_ce_forward, _fused_ce_backward)
+
+
+def ctc_loss(
+    logits: jax.Array, mask: jax.Array, labels: jax.Array, label_mask: jax.Array, weights: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Connectionist temporal classification (optax.ctc_loss, blank id 0) of logits [B, T, V]
+    over the real frames of `mask` [B, T] against labels [B, U] (real where `label_mask`).
+
+    Returns (sum of weighted per-sequence negative log-likelihoods, sum of weights). Labels wider
+    than the frames are cut to T: a label longer than its frames has no alignment at all, and
+    callers reject such examples before training (they would otherwise cost a huge constant).
+    """
+    width = min(labels.shape[1], logits.shape[1])
+    losses = optax.ctc_loss(
+        logits.astype(jnp.float32),
+        1.0 - mask.astype(jnp.float32),
+        labels[:, :width],
+        1.0 - label_mask[:, :width].astype(jnp.float32),
+    )
+    weights = weights.astype(jnp.float32)
+    return (losses * weights).sum(), weights.sum()

@@ -15,6 +15,7 @@ REGISTRY = {
     "protein-mlm": "tasks.protein.mlm:ProteinMLMTask",
     "protein-class": "tasks.protein.classify:ProteinClassTask",
     "protein-residue": "tasks.protein.residue:ProteinResidueTask",
+    "speech": "tasks.speech.asr:SpeechTask",
 }
 
 

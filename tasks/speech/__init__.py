@@ -1,1 +1,1 @@
-"""Speech recognition with CTC: not yet implemented, see the issues."""
+"""Speech recognition with CTC on log-mel spectrograms: audio, the eSpeak NG corpus, features, the task."""

@@ -1,0 +1,334 @@
+"""Speech recognition on log-mel spectrograms: a Transformer encoder trained with CTC.
+
+The model is the core's default composition with a speech front end: 80-bin log-mel frames
+(tasks/speech/audio.py) -> `core.frontends.ConvSubsampling` (4x fewer positions, 40 ms each) ->
+the encoder stack (rotary positions) -> a linear CTC head over characters, blank id 0 ->
+`core.losses.ctc_loss`. Decoding is greedy on device during training and validation, and
+greedy or CTC prefix beam search (`core.ctc`) in `apps eval` and `apps predict`.
+
+Default data: the embedded corpus that eSpeak NG renders (tasks/speech/corpus.py): review
+sentences (`base`) or digit strings (`--preset digits`), tested on held-out voices. `--data`
+takes the user's recordings (tasks/speech/data.py); `--data synthetic` a tiny digits corpus
+for tests. WER and CER are scored with jiwer beside pocketsphinx (tasks/speech/scoring.py).
+
+Batches hold `inputs` [B, T, 80] (normalized log-mel, float16 on the host), `mask` [B, T],
+and the transcript's ids in `targets` [B, T] with `target_mask` (a transcript is padded to the
+frame width: it never outnumbers its frames). SpecAugment: the `augment` hook draws, seeded by
+the step, which frames and mel bins each training row loses (`keep_frames` [B, T],
+`keep_bins` [B, 80]); the model applies them on the device. Evaluation batches have neither key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from core import ctc, losses
+from core.config import Config, ModelConfig, OptimConfig, TrainConfig, require
+from core.data import bucket_width
+from core.errors import UserError
+from core.frontends import ConvSubsampling
+from core.task import PredictOption, Task
+from core.transformer import Model, Transformer
+from tasks.speech import corpus
+from tasks.speech.featurizer import SpeechFeaturizer, fit_featurizer
+from tasks.speech.scoring import NORMALIZATION, grouped_error_rates
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpeechData:
+    """The corpus, the output units, the context and SpecAugment.
+
+    `corpus`: the embedded default read when --data is not given. `units`: characters of
+    `alphabet` (after the normalization of tasks/speech/scoring.py), or sentencepiece
+    `pieces` (unigram, `vocab_size`) trained on the training transcripts. `max_seconds`: the
+    longest clip the model reads; a longer one is refused with its name (cut it first).
+    """
+
+    corpus: Literal["sentences", "digits"] = "sentences"
+    units: Literal["chars", "pieces"] = "chars"
+    alphabet: str = "abcdefghijklmnopqrstuvwxyz' "
+    vocab_size: int = 256
+    max_seconds: float = 20.0
+    subsampling_layers: int = 2
+    conv_channels: int = 32
+    freq_masks: int = 2
+    freq_mask_bins: int = 15
+    time_masks: int = 2
+    time_mask_ratio: float = 0.05
+    # --data manifests: the columns of the audio path and of the transcript.
+    audio_column: str = "audio"
+    text_column: str = "text"
+
+    def __post_init__(self):
+        require(self.max_seconds > 0, "data.max_seconds", self.max_seconds, "must be positive")
+        require(self.subsampling_layers >= 1, "data.subsampling_layers", self.subsampling_layers, "must be >= 1")
+        require(self.conv_channels > 0, "data.conv_channels", self.conv_channels, "must be positive")
+        require(self.vocab_size > 2, "data.vocab_size", self.vocab_size, "must be above 2")
+        require(0 <= self.time_mask_ratio < 1, "data.time_mask_ratio", self.time_mask_ratio, "must be in [0, 1)")
+        require(len(set(self.alphabet)) == len(self.alphabet), "data.alphabet", self.alphabet, "repeats a character")
+
+
+def tiny() -> Config:
+    return Config(
+        task="speech",
+        preset="tiny",
+        model=ModelConfig(d_model=32, num_layers=1, num_heads=2, mlp_dim=64, max_len=512, dropout=0.0),
+        optim=OptimConfig(learning_rate=1e-3, warmup_steps=5),
+        train=TrainConfig(batch_size=16, eval_batch_size=16, steps=20, eval_every=10, checkpoint_every=10, log_every=5),
+        data=SpeechData(corpus="digits", conv_channels=8, max_seconds=10.0),
+    )
+
+
+def base() -> Config:
+    return Config(
+        task="speech",
+        preset="base",
+        model=ModelConfig(
+            d_model=144, num_layers=4, num_heads=4, mlp_dim=576, max_len=512, dropout=0.1, positions="rotary"
+        ),
+        optim=OptimConfig(learning_rate=2e-3, warmup_steps=300, weight_decay=0.01),
+        train=TrainConfig(
+            batch_size=32, eval_batch_size=64, steps=1800, eval_every=450, checkpoint_every=450, log_every=25
+        ),
+        data=SpeechData(),
+    )
+
+
+def digits() -> Config:
+    """The base model on digit strings; shorter clips make steps cheaper, so there are more."""
+    config = base()
+    return dataclasses.replace(
+        config,
+        preset="digits",
+        train=dataclasses.replace(config.train, steps=2000, eval_every=500, checkpoint_every=500),
+        data=dataclasses.replace(config.data, corpus="digits"),
+    )
+
+
+class CTCOutputs(NamedTuple):
+    """Per-position logits [B, T', V] (float32) and the front end's mask [B, T']."""
+
+    logits: jax.Array
+    mask: jax.Array
+
+
+class CTCHead(nnx.Module):
+    def __init__(self, d_model: int, vocab_size: int, *, rngs: nnx.Rngs):
+        self.linear = nnx.Linear(d_model, vocab_size, rngs=rngs)
+
+    def __call__(self, hidden: jax.Array, mask: jax.Array) -> CTCOutputs:
+        return CTCOutputs(self.linear(hidden).astype(jnp.float32), mask)
+
+
+class SpeechModel(Model):
+    """The default composition, with SpecAugment's masks (training batches only) applied to the
+    frames on the device before the front end."""
+
+    def __call__(self, batch: dict, *, dropout_key: jax.Array | None = None):
+        if "keep_frames" in batch:
+            inputs = batch["inputs"]
+            keep = batch["keep_frames"][:, :, None] & batch["keep_bins"][:, None, :]
+            batch = {**batch, "inputs": jnp.where(keep, inputs, 0).astype(inputs.dtype)}
+        return super().__call__(batch, dropout_key=dropout_key)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpeechTask(Task):
+    name: ClassVar[str] = "speech"
+    summary: ClassVar[str] = "Speech recognition (CTC) on log-mel spectrograms"
+    default_data: ClassVar[str] = "English speech rendered by eSpeak NG (review sentences or digits)"
+    model_summary: ClassVar[str] = "conv subsampling 4x + encoder + CTC"
+    metric_names: ClassVar[tuple[str, ...]] = ("wer", "cer")
+    best_metric: ClassVar[str] = "wer"
+    lower_is_better: ClassVar[bool] = True
+    presets: ClassVar[dict] = {"tiny": tiny, "base": base, "digits": digits}
+    default_preset: ClassVar[str] = "base"
+    data_type: ClassVar[type] = SpeechData
+    # Clips run from under a second to many: batches of similar lengths, cut to a bucket width.
+    trim: ClassVar[dict[str, tuple[str, ...]]] = {"mask": ("inputs", "targets", "target_mask")}
+    generates: ClassVar[bool] = True
+    predict_options: ClassVar[tuple[PredictOption, ...]] = (
+        PredictOption("beam_width", int, 8, "CTC prefix beam search with this many beams (1: greedy)"),
+    )
+    evaluated_decodings: ClassVar[dict[str, dict[str, Any]]] = {"beam": {"beam_width": 8}}
+
+    config: Config
+    data: str | None = None
+
+    def examples(self, split: str) -> list[dict]:
+        if self.data is None:
+            return corpus.load_corpus(self.config.data.corpus)[split]
+        if self.data == "synthetic":
+            return corpus.load_corpus("synthetic")[split]
+        from tasks.speech.data import load_user_data
+
+        return load_user_data(self.data, self.config.data)[split]
+
+    def protocol(self) -> dict[str, str]:
+        if self.data not in (None, "synthetic"):
+            return {"dataset": self.data, "protocol": f"the data's own split or a 90/5/5 hash split; {NORMALIZATION}"}
+        preset = "synthetic" if self.data else self.config.data.corpus
+        sizes = corpus.SIZES[preset]
+        return {
+            "dataset": f"{self.default_data}: {preset}, {sizes['train']} / {sizes['valid']} / {sizes['test']}",
+            "protocol": (
+                f"train and valid voices: accents {', '.join(corpus.ACCENTS_SEEN)} x {len(corpus.VARIANTS_SEEN)} "
+                f"variants; test: held-out variants {', '.join(corpus.VARIANTS_HELD_OUT)}, half in the held-out "
+                f"accent {corpus.ACCENT_HELD_OUT}; WER/CER (jiwer) after normalization: {NORMALIZATION}"
+            ),
+        }
+
+    def fit_featurizer(self, train: Sequence[dict]) -> SpeechFeaturizer:
+        return fit_featurizer(train, self.config.data)
+
+    def load_featurizer(self, directory: Path) -> SpeechFeaturizer:
+        return SpeechFeaturizer.load(directory, self.config.data)
+
+    def model(self, featurizer: SpeechFeaturizer, config: Config, rngs: nnx.Rngs) -> nnx.Module:
+        embedder = self.embedder(featurizer, rngs)
+        body = Transformer(config.model, remat=config.train.remat, rngs=rngs)
+        return SpeechModel(embedder, body, self.head(featurizer, embedder, rngs))
+
+    def embedder(self, featurizer: SpeechFeaturizer, rngs: nnx.Rngs) -> nnx.Module:
+        options = self.config.data
+        return ConvSubsampling(
+            featurizer.num_mels,
+            self.config.model.d_model,
+            channels=options.conv_channels,
+            layers=options.subsampling_layers,
+            rngs=rngs,
+        )
+
+    def head(self, featurizer: SpeechFeaturizer, embedder: nnx.Module, rngs: nnx.Rngs) -> nnx.Module:
+        return CTCHead(self.config.model.d_model, featurizer.vocab_size, rngs=rngs)
+
+    def loss(self, outputs: CTCOutputs, batch: dict):
+        return losses.ctc_loss(outputs.logits, outputs.mask, batch["targets"], batch["target_mask"], batch["weights"])
+
+    def metrics(self, outputs: CTCOutputs, batch: dict):
+        total, _ = self.loss(outputs, batch)
+        labels = (batch["target_mask"].sum(-1) * batch["weights"]).sum()
+        return {"loss_per_label": (total, labels.astype(jnp.float32))}
+
+    def decode(self, outputs: CTCOutputs, batch: dict) -> dict[str, jax.Array]:
+        # The best path's ids; merged and stripped of blanks on the host (`score`).
+        return {"path": outputs.logits.argmax(-1).astype(jnp.int32), "length": outputs.mask.sum(-1)}
+
+    def score(self, predictions, examples: Sequence[dict], featurizer: SpeechFeaturizer) -> dict[str, float]:
+        texts = [
+            featurizer.decode(ctc.collapse(path[:length]))
+            for path, length in zip(predictions["path"], predictions["length"])
+        ]
+        return self.score_generated({"text": texts}, examples, featurizer)
+
+    def score_generated(self, generated: dict, examples: Sequence[dict], featurizer: SpeechFeaturizer):
+        return grouped_error_rates(
+            [e["text"] for e in examples], generated["text"], [voice_groups(e) for e in examples]
+        )
+
+    def baselines(self, train, test: Sequence[dict], featurizer: SpeechFeaturizer) -> dict[str, dict[str, float]]:
+        from tasks.speech.data import pocketsphinx_cached
+
+        hypotheses = pocketsphinx_cached(test)
+        return {
+            "pocketsphinx": grouped_error_rates([e["text"] for e in test], hypotheses, [voice_groups(e) for e in test])
+        }
+
+    def augment(self, batch: dict, rng: np.random.Generator) -> dict:
+        """SpecAugment's masks for each row: `freq_masks` bands of up to `freq_mask_bins` mel bins
+        and `time_masks` spans of up to `time_mask_ratio` of the row's frames."""
+        options = self.config.data
+        rows, frames, bins = batch["inputs"].shape
+        lengths = batch["mask"].sum(1)
+        keep_frames, keep_bins = np.ones((rows, frames), bool), np.ones((rows, bins), bool)
+        for row in range(rows):
+            for _ in range(options.freq_masks):
+                width = int(rng.integers(0, options.freq_mask_bins + 1))
+                start = int(rng.integers(0, bins - width + 1))
+                keep_bins[row, start : start + width] = False
+            for _ in range(options.time_masks):
+                width = int(rng.integers(0, int(options.time_mask_ratio * lengths[row]) + 1))
+                start = int(rng.integers(0, max(int(lengths[row]) - width, 0) + 1))
+                keep_frames[row, start : start + width] = False
+        return {**batch, "keep_frames": keep_frames, "keep_bins": keep_bins}
+
+    def generate(self, model, featurizer: SpeechFeaturizer, examples, options: dict, on_text=None) -> dict:
+        """Transcripts of the examples: greedy (`beam_width` 1) or CTC prefix beam search over
+        the model's log-probabilities. Clips go in batches of similar lengths, padded to a
+        `core.data.bucket_width` of frames (few compiled shapes)."""
+        width = options["beam_width"]
+        if width < 1:
+            raise UserError(f"--beam-width {width}: must be at least 1 (1 is greedy).")
+        arrays = featurizer(examples)
+        lengths = arrays["mask"].sum(1)
+        order = np.argsort(lengths, kind="stable")
+        batch_size = self.config.train.eval_batch_size
+        graphdef, state = nnx.split(model)
+        forward = _forward(graphdef)
+        texts = [""] * len(examples)
+        for start in range(0, len(order), batch_size):
+            rows = order[start : start + batch_size]
+            frames = bucket_width(int(lengths[rows].max()), arrays["mask"].shape[1])
+            padded = np.concatenate([rows, np.repeat(rows[:1], batch_size - len(rows))])  # one batch shape
+            batch = {key: arrays[key][padded, :frames] for key in ("inputs", "mask")}
+            log_probs, kept = jax.device_get(forward(state, batch))
+            for i, row in enumerate(rows):
+                frame_log_probs = log_probs[i, : kept[i]]
+                if width == 1:
+                    ids = ctc.greedy(frame_log_probs)
+                else:
+                    ids = ctc.prefix_beam_search(frame_log_probs, width)
+                texts[row] = featurizer.decode(ids)
+        if on_text is not None and texts:
+            on_text("  " + texts[0])
+        return {"text": texts}
+
+    def parse_inputs(self, lines: Sequence[str], options: dict) -> list[dict]:
+        paths = [line.strip() for line in lines if line.strip()]
+        if not paths:
+            raise UserError("apps predict speech needs at least one audio file (as arguments or on stdin).")
+        return [{"id": None, "audio": None, "path": path, "text": "", "voice": None} for path in paths]
+
+    def render(self, predictions, examples, featurizer) -> list[dict[str, str]]:
+        return [{"file": e["path"], "transcript": text} for e, text in zip(examples, predictions["text"])]
+
+
+def voice_groups(example: dict) -> tuple[str, ...]:
+    """The groups an example's scores are also reported by: its variant when that is a held-out
+    one, and its accent, held out (`en-029`) or seen (`seen-accents`). User data has none."""
+    voice = example.get("voice")
+    if not voice:
+        return ()
+    accent, _, variant = voice.partition("+")
+    accent_group = accent if accent == corpus.ACCENT_HELD_OUT else "seen-accents"
+    return (f"variant-{variant}", accent_group) if variant in corpus.VARIANTS_HELD_OUT else (accent_group,)
+
+
+@functools.cache
+def _forward(graphdef):
+    """A jitted forward to per-frame log-probabilities and kept lengths, per model graph."""
+
+    @jax.jit
+    def forward(state, batch):
+        outputs = nnx.merge(graphdef, state)(batch)
+        return jax.nn.log_softmax(outputs.logits), outputs.mask.sum(-1)
+
+    return forward
+
+
+def transcribe(loaded, paths: Sequence[str | Path], beam_width: int = 8) -> list[str]:
+    """Transcripts of audio files with a run loaded by `core.run.load(tasks.get("speech"), workdir)`."""
+    task = loaded.task
+    examples = task.parse_inputs([str(p) for p in paths], {"beam_width": beam_width})
+    model = nnx.merge(loaded.steps.graphdef, loaded.params)
+    return task.generate(model, loaded.featurizer, examples, {"beam_width": beam_width})["text"]

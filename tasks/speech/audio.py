@@ -1,0 +1,86 @@
+"""Audio in, log-mel frames out: reading files of any rate and channel count as 16 kHz mono,
+and the 80-bin log-mel features (25 ms windows, 10 ms hop) that the model reads, with librosa.
+
+Every problem with a file (missing, empty, truncated, not audio, silent) is a `UserError` that
+names the file.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import numpy as np
+
+from core.errors import UserError
+
+SAMPLE_RATE = 16_000
+NUM_MELS = 80
+WINDOW = 400  # 25 ms at 16 kHz
+HOP = 160  # 10 ms: 100 frames a second
+FFT_SIZE = 512
+FORMATS = (".wav", ".flac", ".ogg")
+# A clip whose peak stays under this (-80 dBFS) holds nothing to recognize.
+SILENCE_PEAK = 1e-4
+
+
+def load_audio(path: str | Path) -> np.ndarray:
+    """The file at `path` as float32 samples in [-1, 1], mono (channels averaged) at 16 kHz
+    (resampled with librosa)."""
+    import librosa
+    import soundfile
+
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path}: no such audio file.")
+    if path.stat().st_size == 0:
+        raise UserError(f"{path}: the file is empty.")
+    try:
+        info = soundfile.info(str(path))
+        samples, rate = soundfile.read(str(path), dtype="float32", always_2d=True)
+    except (soundfile.LibsndfileError, RuntimeError, TypeError) as error:
+        raise UserError(
+            f"{path}: not a readable audio file ({error}); expected {', '.join(FORMATS)} (or another format "
+            "libsndfile reads)."
+        ) from None
+    if len(samples) < info.frames or "should be" in info.extra_info.lower():
+        raise UserError(f"{path}: the file is truncated (its header promises more samples than it holds).")
+    if len(samples) == 0:
+        raise UserError(f"{path}: the file holds no samples.")
+    mono = librosa.to_mono(samples.T)
+    if rate != SAMPLE_RATE:
+        mono = librosa.resample(mono, orig_sr=rate, target_sr=SAMPLE_RATE)
+    return check_audible(mono.astype(np.float32), str(path))
+
+
+def check_audible(samples: np.ndarray, where: str) -> np.ndarray:
+    """`samples`, unless they are silent or not finite."""
+    if not np.all(np.isfinite(samples)):
+        raise UserError(f"{where}: the audio holds NaN or infinite samples.")
+    if len(samples) == 0 or np.abs(samples).max() < SILENCE_PEAK:
+        raise UserError(f"{where}: the audio is silent (peak below -80 dBFS): nothing to transcribe.")
+    return samples
+
+
+def frame_count(num_samples: int) -> int:
+    """Log-mel frames of a clip of `num_samples` (centered windows: one per hop, plus one)."""
+    return 1 + num_samples // HOP
+
+
+@functools.cache
+def mel_filters() -> np.ndarray:
+    """librosa's (Slaney) mel filter bank [80, FFT_SIZE // 2 + 1]; built once, as building it
+    costs more than a clip's whole spectrogram."""
+    import librosa
+
+    return librosa.filters.mel(sr=SAMPLE_RATE, n_fft=FFT_SIZE, n_mels=NUM_MELS)
+
+
+def log_mel(samples: np.ndarray) -> np.ndarray:
+    """float32 samples at 16 kHz -> natural-log mel energies [frames, 80] (float32): the power
+    spectrum of centered 25 ms Hann windows every 10 ms, through `mel_filters`."""
+    import librosa
+
+    spectrum = librosa.stft(samples, n_fft=FFT_SIZE, hop_length=HOP, win_length=WINDOW, window="hann")
+    power = np.abs(spectrum) ** 2
+    return np.log(mel_filters() @ power + 1e-6).T.astype(np.float32)
