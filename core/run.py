@@ -150,9 +150,10 @@ def load(task_type: type, workdir: str | Path, data: str | None = None) -> Loade
             f"{workdir} holds no trained run (no config.json): train one with "
             f"`apps train {task_type.name} --workdir {workdir}`."
         )
-    config = Config.from_dict(json.loads(config_path.read_text()), task_type.data_type)
-    if config.task != task_type.name:
-        raise UserError(f"{workdir} holds a {config.task} run, not {task_type.name}.")
+    raw = json.loads(config_path.read_text())
+    if raw.get("task") != task_type.name:
+        raise UserError(f"{workdir} holds a {raw.get('task')} run, not {task_type.name}.")
+    config = Config.from_dict(raw, task_type.data_type)
     task = task_type(config=config, data=data)
     featurizer = task.load_featurizer(workdir / "featurizer")
     steps = make_steps(task, build_model(task, featurizer, config), config, config.train.steps, training=False)

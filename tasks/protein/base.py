@@ -201,7 +201,8 @@ class ResidueFeaturizer:
         rows["inputs"] = rows["inputs"].astype(np.int32)
         if self.level == "sequence":
             rows["targets"] = self._sequence_targets(examples, rows["sequence"])
-        elif "target_mask" in rows:
+        else:
+            rows["targets"] = rows["targets"].astype(np.int32)
             rows["target_mask"] = rows["target_mask"].astype(bool)
         rows["weights"] = np.ones(len(rows["inputs"]), np.float32)
         return rows
@@ -212,9 +213,12 @@ class ResidueFeaturizer:
 
     def training(self, examples: Sequence[dict]) -> dict[str, np.ndarray]:
         """Training rows: whole sequences (pieces of `piece_len`), cropped later by `augment`;
-        for masking, uncorrupted (augment masks afresh at every step)."""
-        codes = [sequences.encode(e["sequence"], e["id"]) for e in examples]
-        per_sequence = self.per_sequence(examples) if self.level == "residue" else {"inputs": codes}
+        for masking, uncorrupted, nothing chosen yet (augment masks afresh at every step)."""
+        if self.level == "masked":
+            codes = [sequences.encode(e["sequence"], e["id"]) for e in examples]
+            per_sequence = {"inputs": codes, "targets": codes, "target_mask": [np.zeros(len(c), bool) for c in codes]}
+        else:
+            per_sequence = self.per_sequence(examples)
         rows = self._finish(sequences.pieces(per_sequence, max(self.piece_len, self.max_len)), examples)
         del rows["sequence"], rows["offset"]
         return rows
