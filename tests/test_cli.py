@@ -151,8 +151,8 @@ def test_data_and_workdir_mistakes(tmp_path):
     a_file = tmp_path / "taken"
     a_file.write_text("not a folder")
     cases = [
-        (["--data", one_class], "has one class only ('positive'"),
-        (["--data", tmp_path], f"--data {tmp_path} is a folder"),
+        (["--data", one_class, "--workdir", tmp_path / "run"], "has one class only ('positive'"),
+        (["--data", tmp_path, "--workdir", tmp_path / "run"], f"--data {tmp_path} is a folder"),
         (["--data", "synthetic", "--workdir", a_file], f"--workdir {a_file} is a file, not a folder"),
     ]
     for args, message in cases:

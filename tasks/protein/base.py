@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from core.config import Config, ModelConfig, OptimConfig, TrainConfig, modern_blocks
+from core.config import Config, ModelConfig, OptimConfig, TrainConfig, modern_blocks, require
 from core.errors import UserError
 from core.heads import TokenEmbedder
 from core.task import Task
@@ -50,10 +50,8 @@ class ProteinData:
     states: Literal["q3", "q8"] = "q3"
 
     def __post_init__(self):
-        if self.piece_len < 1:
-            raise UserError(f"data.piece_len={self.piece_len} must be positive.")
-        if not 0 < self.mask_rate < 1:
-            raise UserError(f"data.mask_rate={self.mask_rate} must be in (0, 1).")
+        require(self.piece_len > 0, "data.piece_len", self.piece_len, "must be positive")
+        require(0 < self.mask_rate < 1, "data.mask_rate", self.mask_rate, "must be in (0, 1)")
 
 
 def protein_config(

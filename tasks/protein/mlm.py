@@ -65,6 +65,7 @@ class ProteinMLMTask(ProteinTask):
     presets: ClassVar[dict] = {"tiny": tiny, "base": base}
     default_preset: ClassVar[str] = "base"
     level: ClassVar[str] = "masked"
+    trim: ClassVar[dict[str, tuple[str, ...]]] = {"mask": ("inputs", "targets", "target_mask")}
 
     def examples(self, split: str) -> list[dict]:
         records = protein_data.uniprot() if self.data is None else self.records(None)
