@@ -314,19 +314,18 @@ class Report:
         )
 
 
-def flat_params(model: nnx.Module) -> dict[str, np.ndarray]:
-    """The model's parameters by dotted path ("body.blocks.0.attention.qkv.kernel")."""
+def flatten(tree: Mapping, prefix: str = "") -> dict[str, Any]:
+    """A nested mapping of arrays by dotted path ("body.blocks.0.attention.qkv.kernel")."""
     flat = {}
-
-    def visit(node, path):
-        if isinstance(node, Mapping):
-            for key, child in node.items():
-                visit(child, f"{path}.{key}" if path else str(key))
-        else:
-            flat[path] = node
-
-    visit(nnx.to_pure_dict(nnx.state(model, nnx.Param)), "")
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        flat.update(flatten(value, path + ".") if isinstance(value, Mapping) else {path: value})
     return flat
+
+
+def flat_params(model: nnx.Module) -> dict[str, np.ndarray]:
+    """The model's parameters by dotted path."""
+    return flatten(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
 
 
 def set_params(model: nnx.Module, values: dict[str, Any]) -> None:

@@ -18,18 +18,10 @@ from flax import nnx
 from core import pretrained
 from core.checkpoint import Checkpoints
 from core.errors import UserError
+from core.pretrained import flatten
 
 # The parts of a `core.transformer.Model` that carry over; the head is the task's own.
 TRANSFERRED = ("embedder.", "body.")
-
-
-def flatten(tree: dict, prefix: str = "") -> dict[str, np.ndarray]:
-    """A nested dict of arrays by dotted path."""
-    flat = {}
-    for key, value in tree.items():
-        path = f"{prefix}{key}"
-        flat.update(flatten(value, path + ".") if isinstance(value, dict) else {path: value})
-    return flat
 
 
 def init_from(model: nnx.Module, run_dir: str) -> pretrained.Report:
@@ -43,7 +35,8 @@ def init_from(model: nnx.Module, run_dir: str) -> pretrained.Report:
         restored = checkpoints.read_params()
     finally:
         checkpoints.close()
-    saved = {k: v for k, v in flatten(restored.value).items() if k.startswith(TRANSFERRED)}
+    everything = flatten(restored.value)
+    saved = {k: v for k, v in everything.items() if k.startswith(TRANSFERRED)}
     params = pretrained.flat_params(model)
     wanted = {k: v for k, v in params.items() if k.startswith(TRANSFERRED)}
     problems = [
@@ -64,5 +57,5 @@ def init_from(model: nnx.Module, run_dir: str) -> pretrained.Report:
         directory / restored.source / str(restored.step),
         filled=tuple(wanted),
         new=tuple(name for name in params if name not in wanted),
-        unused=tuple(k for k in flatten(restored.value) if k not in wanted),
+        unused=tuple(k for k in everything if k not in wanted),
     )

@@ -150,7 +150,7 @@ class ResidueFeaturizer:
     @staticmethod
     def lengths(examples: Sequence[dict]) -> list[int]:
         """Residues per record, as `sequences.encode` counts them."""
-        return [len(e["sequence"].strip().rstrip("*")) for e in examples]
+        return [len(sequences.clean(e["sequence"])) for e in examples]
 
     def per_sequence(self, examples: Sequence[dict]) -> dict[str, list[np.ndarray]]:
         """Each record's arrays of its own length: ids (and targets, target_mask), uncut."""
@@ -173,7 +173,7 @@ class ResidueFeaturizer:
         if len(label) != length:
             raise UserError(
                 f"Record {example['id']!r}: its label string has {len(label)} letters, its sequence "
-                f"{len(example['sequence'].rstrip('*'))} residues; they must pair one to one."
+                f"{len(sequences.clean(example['sequence']))} residues; they must pair one to one."
             )
         index = {name: i for i, name in enumerate(self.classes)}
         unknown = sorted(set(label) - index.keys())

@@ -51,9 +51,14 @@ SEQUENCE_FORMATS = {
 }
 
 
+def clean(sequence: str) -> str:
+    """The residues of `sequence` as `encode` reads them: spaces around and a trailing stop codon dropped."""
+    return sequence.strip().rstrip("*")
+
+
 def encode(sequence: str, record: str) -> np.ndarray:
     """Token ids [L] (uint8) of one sequence; `record` names it in errors."""
-    sequence = sequence.strip().rstrip("*")
+    sequence = clean(sequence)
     if not sequence:
         raise UserError(f"Record {record!r} has no sequence.")
     raw = sequence.encode("ascii", errors="replace")
