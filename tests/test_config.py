@@ -46,3 +46,18 @@ def test_json_round_trip():
     config = apply_overrides(base(), ["model.d_model=96", "data.labels=raw"])
     again = Config.from_dict(json.loads(json.dumps(config.to_dict())), SentimentData)
     assert again == config
+
+
+def test_train_fraction_is_a_nested_stratified_share_of_train():
+    from tasks.nlp.data import split
+
+    columns = {"text": [f"t{i}" for i in range(1000)], "label": ["a"] * 700 + ["b"] * 300}
+    train = split(columns, "train")
+    tenth, hundredth = split(columns, "train", 0.1), split(columns, "train", 0.01)
+    assert [sum(e["label"] == name for e in tenth) for name in "ab"] == [56, 24]  # 10% of 560 / 240
+    assert [sum(e["label"] == name for e in hundredth) for name in "ab"] == [6, 2]
+    texts = lambda examples: {e["text"] for e in examples}  # noqa: E731
+    assert texts(hundredth) < texts(tenth) < texts(train)
+    assert split(columns, "valid", 0.1) == split(columns, "valid") and split(columns, "test", 0.1) == split(columns, "test")
+    with pytest.raises(UserError, match=r"data.train_fraction=0.0 must be in \(0, 1\]"):
+        apply_overrides(base(), ["data.train_fraction=0"])

@@ -113,6 +113,32 @@ def test_the_mapping_uses_every_tensor_once_and_round_trips(minilm, checkpoint, 
         np.testing.assert_array_equal(value, tensors[name], err_msg=name)
 
 
+def test_a_roberta_layout_checkpoint_loads_to_the_same_encoder(folder, checkpoint, tensors):
+    """MiniLM rewritten as RobertaForSequenceClassification saves a RoBERTa: "roberta." names, a
+    position table that starts at padding id + 1 (rows 0-1 unused), one token type; the core must
+    read it into the same encoder and give sentence-transformers' outputs."""
+    config = json.loads((folder / "config.json").read_text())
+    roberta = {**config, "model_type": "roberta", "pad_token_id": 1, "type_vocab_size": 1}
+    (folder / "config.json").write_text(json.dumps({**roberta, "max_position_embeddings": 514}))
+    positions = tensors["embeddings.position_embeddings.weight"]
+    rewritten = {
+        **{f"roberta.{name}": value for name, value in tensors.items()},
+        "roberta.embeddings.position_embeddings.weight": np.concatenate([np.full_like(positions[:2], 9.0), positions]),
+        "roberta.embeddings.token_type_embeddings.weight": tensors["embeddings.token_type_embeddings.weight"][:1],
+        "classifier.dense.weight": np.zeros((384, 384), np.float32),
+    }
+    (folder / "model.safetensors").unlink()
+    safetensors.numpy.save_file(rewritten, folder / "model.safetensors")
+    read = pretrained.read_checkpoint(str(folder))
+    assert (read.family, read.position_offset, read.model.max_len, read.model.token_types) == ("roberta", 2, 512, 1)
+    model = model_of(pretrained.architecture(str(folder), dropout=0.0))
+    report = pretrained.load(model, str(folder))
+    assert "classifier.dense.weight" in report.unused and set(report.new) == {"head.linear.kernel", "head.linear.bias"}
+    ids, mask = PretrainedTokenizer.from_checkpoint(str(folder)).encode(list(REFERENCE["sentences"]), 64)
+    x, mask = model.embedder(jnp.asarray(ids), jnp.asarray(mask))
+    np.testing.assert_allclose(mean_pool(model.body(x, mask), mask), REFERENCE["mean_pooled"], atol=1e-4, rtol=0)
+
+
 def test_the_fused_attention_kernel_holds_query_key_value_in_order(minilm, tensors):
     model, _ = minilm
     kernel = np.asarray(model.body.blocks[2].attention.qkv.kernel[...])
@@ -252,6 +278,32 @@ def test_layer_decay_acts_on_the_updates():
         updates["body"]["blocks"][0]["w"][0],
     )
     np.testing.assert_allclose([last / head, first / head], [0.5, 0.25], rtol=1e-6)
+
+
+def test_probe_steps_freeze_the_trunk_then_ramp_it_in():
+    from core.config import OptimConfig
+    from core.optim import optimizer
+
+    params = {
+        "head": {"w": jnp.ones(2)},
+        "body": {"final_norm": {"scale": jnp.ones(2)}, "blocks": {0: {"w": jnp.ones(2)}}},
+        "embedder": {"embedding": jnp.ones(2)},
+    }
+    # SGD-like updates: Adam with b1 = b2 = 0 and constant gradients moves each parameter by the rate.
+    config = OptimConfig(learning_rate=1.0, warmup_steps=4, weight_decay=0.0, b1=0.0, b2=0.0, probe_steps=3)
+    tx = optimizer(config, 1000)
+    state, moved = tx.init(params), []
+    for step in range(8):
+        updates, state = tx.update(jax.tree.map(jnp.ones_like, params), state, params)
+        if step == 0:
+            continue
+        flat = {jax.tree_util.keystr(path): float(u[0]) for path, u in jax.tree_util.tree_flatten_with_path(updates)[0]}
+        moved.append([flat[key] / flat["['head']['w']"] for key in sorted(flat)])
+    # Sorted: blocks, final norm, embedder, head. The trunk (blocks, embedder) waits 3 updates,
+    # then ramps over the 4 warm-up steps; the head and the final norm always move (but not at
+    # the first update, where the warm-up's rate is 0).
+    expected = [[0, 1, 0, 1]] * 2 + [[g, 1, g, 1] for g in (0.25, 0.5, 0.75, 1.0, 1.0)]
+    np.testing.assert_allclose(moved, expected, atol=1e-6)
 
 
 def test_embed_matches_sentence_transformers_encode(tmp_path):

@@ -200,8 +200,10 @@ def _columns(table, text_column: str, label_column: str) -> dict[str, list]:
     return {"text": [texts[i] for i in keep], "label": [labels[i] for i in keep]}
 
 
-def split(columns: dict[str, list], split_name: str) -> list[dict]:
-    """The fixed stratified split (80/10/10, seed 0) of a table, as examples."""
+def split(columns: dict[str, list], split_name: str, train_fraction: float = 1.0) -> list[dict]:
+    """The fixed stratified split (80/10/10, seed 0) of a table, as examples; with
+    `train_fraction` < 1, a stratified share of the training split (for learning curves; the
+    valid and test splits stay whole; a smaller share is part of a larger one)."""
     labels = np.asarray(columns["label"], dtype=object).astype(str)
     rows = np.arange(len(labels))
     counts = dict(zip(*np.unique(labels, return_counts=True)))
@@ -215,4 +217,13 @@ def split(columns: dict[str, list], split_name: str) -> list[dict]:
     except ValueError as error:
         raise UserError(f"The table of {len(rows)} rows is too small to split 80/10/10: {error}") from None
     chosen = {"train": train, "valid": valid, "test": test}[split_name]
+    if split_name == "train" and train_fraction < 1:
+        # The first share of each class in one fixed shuffle: stratified, and nested.
+        shuffled = np.random.default_rng(SPLIT_SEED).permutation(train)
+        chosen = np.concatenate(
+            [
+                members[: max(round(train_fraction * len(members)), 1)]
+                for members in (shuffled[labels[shuffled] == name] for name in np.unique(labels[train]))
+            ]
+        )
     return [{"text": columns["text"][i], "label": columns["label"][i]} for i in np.sort(chosen)]

@@ -24,7 +24,7 @@ from flax import nnx
 
 from core import losses, pretrained
 from core import metrics as metric_lib
-from core.config import Config, ModelConfig, OptimConfig, TrainConfig
+from core.config import Config, ModelConfig, OptimConfig, TrainConfig, require
 from core.errors import UserError
 from core.heads import PooledClassifier, TokenEmbedder
 from core.task import Task
@@ -37,12 +37,17 @@ LABEL_SCHEMES = {"binary": ("negative", "positive"), "five": ("1", "2", "3", "4"
 
 @dataclass(frozen=True, kw_only=True)
 class SentimentData:
-    """`labels`: binary or five (for 1-5 ratings) or raw (the label column's values as classes)."""
+    """`labels`: binary or five (for 1-5 ratings) or raw (the label column's values as classes).
+    `train_fraction`: the stratified share of the training split to train on (learning curves)."""
 
     labels: Literal["binary", "five", "raw"] = "binary"
     text_column: str = "text"
     label_column: str = "label"
     vocab_size: int = 8000
+    train_fraction: float = 1.0
+
+    def __post_init__(self):
+        require(0 < self.train_fraction <= 1, "data.train_fraction", self.train_fraction, "must be in (0, 1]")
 
 
 def tiny() -> Config:
@@ -158,7 +163,7 @@ class SentimentTask(Task):
                 f"{self.data or 'The embedded reviews'} has one class only ({next(iter(classes))!r} after "
                 f"data.labels={options.labels!r}): a classifier needs at least two."
             )
-        return text_data.split(columns, split)
+        return text_data.split(columns, split, options.train_fraction)
 
     def _map_labels(self, columns: dict[str, list]) -> dict[str, list]:
         scheme = self.config.data.labels
@@ -185,9 +190,11 @@ class SentimentTask(Task):
             "five": "ratings 1-5 as five classes",
             "raw": "label column as classes",
         }[self.config.data.labels]
+        fraction = self.config.data.train_fraction
+        share = f"; trained on {fraction:g} of the training split (stratified)" if fraction < 1 else ""
         return {
             "dataset": self.data or self.default_data,
-            "protocol": f"stratified 80/10/10 split, seed {text_data.SPLIT_SEED}; {scheme}",
+            "protocol": f"stratified 80/10/10 split, seed {text_data.SPLIT_SEED}; {scheme}{share}",
         }
 
     def fit_featurizer(self, train: Sequence[dict]) -> TextFeaturizer:
