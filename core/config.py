@@ -58,6 +58,10 @@ class ModelConfig:
     # Another run's folder (`apps train --init-from`): the new run's embedder and body start from
     # that run's best weights (core/transfer.py); its sizes must be the same.
     init_from: str | None = None
+    # How the head of a run that starts from loaded weights begins: "random", or "probe": a
+    # logistic regression fitted on the loaded trunk's features of the training rows, so that
+    # fine-tuning starts from a head that already reads them (LP-FT; core/transfer.py).
+    head_init: Literal["random", "probe"] = "random"
 
     def __post_init__(self):
         for key in ("d_model", "num_layers", "num_heads", "mlp_dim", "max_len"):
@@ -94,6 +98,12 @@ class ModelConfig:
             require(
                 self.pretrained is None, "model.init_from", self.init_from, "and model.pretrained exclude each other"
             )
+        require(
+            self.head_init == "random" or self.init_from is not None or self.pretrained is not None,
+            "model.head_init",
+            self.head_init,
+            "fits the head on loaded features: give --init-from RUN_DIR or model.pretrained",
+        )
 
     @property
     def key_value_heads(self) -> int:

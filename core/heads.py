@@ -42,6 +42,11 @@ class PooledClassifier(nnx.Module):
     def __call__(self, hidden: jax.Array, mask: jax.Array) -> jax.Array:
         return self.linear(mean_pool(hidden, mask)).astype(jnp.float32)
 
+    def probe_rows(self, hidden: jax.Array, mask: jax.Array, batch: dict) -> tuple[jax.Array, ...]:
+        """What a linear probe of this head fits (`core.transfer.fit_probe`): the pooled features
+        [B, D], their class ids [B] and weights [B]."""
+        return mean_pool(hidden, mask), batch["targets"], batch["weights"]
+
 
 class TokenClassifier(nnx.Module):
     """A linear layer at every position: -> logits [B, T, C]."""

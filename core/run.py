@@ -26,7 +26,7 @@ from jax.experimental import multihost_utils
 from rich.console import Console
 
 from core import data as data_lib
-from core import host, pretrained, sharding
+from core import host, pretrained, sharding, transfer
 from core import report as report_lib
 from core.checkpoint import Checkpoints, write_json
 from core.config import Config, apply_overrides
@@ -104,6 +104,8 @@ def train(
         f"featurized in {time.perf_counter() - started:.1f}s on {jax.device_count()} device(s)."
     )
     model = build_model(task, featurizer, config, from_pretrained=True)
+    if config.model.head_init == "probe":
+        log.info(transfer.fit_probe(model, task, train_arrays, config.train.eval_batch_size, config.train.seed))
     steps = make_steps(task, model, config, config.train.steps)
 
     def validate(params) -> dict[str, float]:

@@ -5,6 +5,11 @@ other run's best checkpoint; its head and its optimizer start fresh. The two run
 different tasks (masked-residue pretraining, then classification) as long as their embedders
 and bodies have the same parameters of the same shapes: any difference is reported by
 parameter name before training starts.
+
+With `model.head_init="probe"` the fresh head does not start random: `fit_probe` fits it as a
+logistic regression on the loaded trunk's features, the first stage of LP-FT (Kumar et al.,
+2022, "Fine-Tuning can Distort Pretrained Features"). A random head's first gradients pull the
+pretrained features towards itself; a fitted one lets fine-tuning start from what they hold.
 """
 
 from __future__ import annotations
@@ -12,9 +17,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from sklearn.linear_model import LogisticRegression
+from sklearn.preprocessing import StandardScaler
 
+from core import data as data_lib
 from core import pretrained
 from core.checkpoint import Checkpoints
 from core.errors import UserError
@@ -59,3 +68,62 @@ def init_from(model: nnx.Module, run_dir: str) -> pretrained.Report:
         new=tuple(name for name in params if name not in wanted),
         unused=tuple(k for k in everything if k not in wanted),
     )
+
+
+# At most this many training rows feed the probe: a logistic regression fits them in seconds.
+PROBE_ROWS = 20_000
+
+
+@nnx.jit
+def _probe_rows(model: nnx.Module, batch: dict) -> tuple:
+    x, mask = model.embedder(batch["inputs"], batch["mask"])
+    return model.head.probe_rows(model.body(x, mask), mask, batch)
+
+
+def fit_probe(model: nnx.Module, task, arrays: dict[str, np.ndarray], batch_size: int, seed: int) -> str:
+    """Sets the head's linear layer to `linear_probe` of the loaded trunk's features of up to
+    PROBE_ROWS training rows, as training sees them (the task's `augment` applied once) but
+    without dropout. Returns a line for the log."""
+    head = model.head
+    if not hasattr(head, "probe_rows"):
+        raise UserError(
+            f"model.head_init=probe fits a linear head on pooled features; {task.name}'s head "
+            f"({type(head).__name__}) is not one."
+        )
+    total = min(data_lib.size(arrays), PROBE_ROWS)
+    parts = []
+    for start in range(0, total, batch_size):
+        rows = data_lib.take(arrays, np.arange(start, min(start + batch_size, total)))
+        batch = task.augment(rows, np.random.default_rng((seed, start)))
+        parts.append([np.asarray(part) for part in _probe_rows(model, {k: jnp.asarray(v) for k, v in batch.items()})])
+    features, targets, weights = (np.concatenate(column) for column in zip(*parts))
+    kernel, bias, accuracy = linear_probe(features, targets, weights, head.linear.bias.shape[0])
+    dtype = head.linear.kernel.dtype
+    pretrained.set_params(model, {"head.linear.kernel": kernel.astype(dtype), "head.linear.bias": bias.astype(dtype)})
+    return (
+        f"Head fitted as a logistic-regression probe on the loaded features of {int((weights > 0).sum())} "
+        f"training rows (training accuracy {accuracy:.3f})."
+    )
+
+
+def linear_probe(
+    features: np.ndarray, targets: np.ndarray, weights: np.ndarray, num_classes: int
+) -> tuple[np.ndarray, np.ndarray, float]:
+    """A logistic regression (scikit-learn, L2, C=1) on standardized `features` [N, D] of the
+    rows with weight > 0, as the kernel [D, C] and bias [C] of a linear layer over the raw
+    features (the standardization folded in), and its training accuracy. Classes that the rows
+    lack get no weight and the lowest bias."""
+    kept = weights > 0
+    features, targets, weights = features[kept].astype(np.float64), targets[kept], weights[kept]
+    if len(np.unique(targets)) < 2:
+        raise UserError("model.head_init=probe needs at least two classes among the training rows.")
+    scaler = StandardScaler().fit(features, sample_weight=weights)
+    standardized = scaler.transform(features)
+    probe = LogisticRegression(max_iter=1000).fit(standardized, targets, sample_weight=weights)
+    coef = probe.coef_ / scaler.scale_
+    intercept = probe.intercept_ - coef @ scaler.mean_
+    if len(probe.classes_) == 2:  # one row, for the second class against the first
+        coef, intercept = np.concatenate([np.zeros_like(coef), coef]), np.concatenate([[0.0], intercept])
+    kernel, bias = np.zeros((features.shape[1], num_classes)), np.full(num_classes, intercept.min() - 30.0)
+    kernel[:, probe.classes_], bias[probe.classes_] = coef.T, intercept
+    return kernel, bias, probe.score(standardized, targets, sample_weight=weights)

@@ -243,8 +243,9 @@ def test_cli_init_from_embed_and_mistakes(mlm_run, tmp_path):
         return apps("train", "protein-class", "--preset", "tiny", "--data", "synthetic", "--workdir", workdir, *more)
 
     workdir = tmp_path / "class"
-    result = train_class(workdir, "--init-from", mlm_run, "--set", "train.steps=10")
+    result = train_class(workdir, "--init-from", mlm_run, "--set", "train.steps=10", "--set", "model.head_init=probe")
     assert result.exit_code == 0, result.output
+    assert "Head fitted as a logistic-regression probe" in plain(result.output)
     assert json.loads((workdir / "config.json").read_text())["model"]["init_from"] == str(mlm_run)
 
     fasta = tmp_path / "q.fasta"
@@ -263,6 +264,7 @@ def test_cli_init_from_embed_and_mistakes(mlm_run, tmp_path):
             "that run has no body.blocks.1",
         ),
         (train_class(tmp_path / "y", "--init-from", tmp_path / "nothing"), "no trained run there"),
+        (train_class(tmp_path / "w", "--set", "model.head_init=probe"), "give --init-from RUN_DIR or model.pretrained"),
         (apps("embed", "--workdir", mlm_run), "needs the run's task first"),
         (apps("embed", "sentiment", "--workdir", mlm_run, "MKT"), "holds a protein-mlm run, not sentiment"),
         (apps("train", "protein-mlm", "--data", tmp_path / "none.fasta", "--workdir", tmp_path / "z"), "no such file"),
@@ -321,3 +323,26 @@ def test_secondary_structure_default_reduces_dssp_to_q3(monkeypatch, tmp_path):
             protein_data.secondary_structure("q3")
     finally:
         protein_data.secondary_structure.cache_clear()
+
+
+@pytest.mark.parametrize("num_classes", [2, 4])
+def test_the_linear_probe_folds_the_standardization_into_the_layer(num_classes):
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    from core.transfer import linear_probe
+
+    rng = np.random.default_rng(0)
+    targets = rng.integers(0, num_classes, 300)
+    # Features with a large shared offset and classes apart by little: the case that needs scaling.
+    features = 5.0 + 0.05 * rng.normal(size=(300, 6)) + 0.02 * targets[:, None] * rng.normal(size=6)
+    weights = np.ones(300)
+    weights[:10] = 0  # rows without weight take no part
+    kernel, bias, accuracy = linear_probe(features, targets, weights, num_classes + 1)  # one class absent
+    reference = make_pipeline(StandardScaler(), LogisticRegression(max_iter=1000)).fit(features[10:], targets[10:])
+    logits = features @ kernel + bias
+    probabilities = np.exp(logits - logits.max(1, keepdims=True))
+    probabilities /= probabilities.sum(1, keepdims=True)
+    np.testing.assert_allclose(probabilities[:, :num_classes], reference.predict_proba(features), atol=1e-6)
+    assert probabilities[:, num_classes].max() < 1e-4 and accuracy == reference.score(features[10:], targets[10:])
