@@ -140,10 +140,6 @@ class OptimConfig:
     # L learns at layer_decay ** (L - i) times the rate, the embeddings at layer_decay ** (L + 1),
     # the head at the full rate. 1: off.
     layer_decay: float = 1.0
-    # Linear probing, then fine-tuning (LP-FT, Kumar et al. 2022): for the first probe_steps steps
-    # only the head and the final norm learn while the embedder and the body's blocks stay as
-    # loaded; then those join, their updates ramping up over warmup_steps. 0: off.
-    probe_steps: int = 0
 
     def __post_init__(self):
         require(
@@ -166,7 +162,6 @@ class OptimConfig:
         require(0 < self.eps < 1, "optim.eps", self.eps, "must be in (0, 1)")
         require(0 <= self.label_smoothing < 1, "optim.label_smoothing", self.label_smoothing, "must be in [0, 1)")
         require(0 < self.layer_decay <= 1, "optim.layer_decay", self.layer_decay, "must be in (0, 1] (1: off)")
-        require(self.probe_steps >= 0, "optim.probe_steps", self.probe_steps, "must be >= 0 (0: off)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -219,12 +214,6 @@ class Config:
                 "cudnn",
                 'needs train.compute_dtype="bfloat16" (the cuDNN flash kernel has no float32 path)',
             )
-        require(
-            self.optim.probe_steps < self.train.steps,
-            "optim.probe_steps",
-            self.optim.probe_steps,
-            f"must be below train.steps ({self.train.steps}), or the body never trains",
-        )
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -4,14 +4,12 @@ Weight decay applies to matrices only (ndim >= 2); norms' scales and biases are 
 With `layer_decay` < 1 (fine-tuning a pretrained body, as ELECTRA and BEiT do), each update is
 scaled by its parameter's depth: the head moves at the full rate, the last block at
 layer_decay, ..., the embeddings at layer_decay ** (L + 1), so that the general features of the
-lower layers change least. With `probe_steps` > 0 the same trunk (everything layer decay scales)
-stays frozen at first, so that a fresh head fits the loaded features before they move (LP-FT).
+lower layers change least.
 """
 
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import optax
 
 from core.config import OptimConfig
@@ -33,21 +31,16 @@ def _keys(path: tuple) -> list:
     return [getattr(key, "key", key) for key in path]
 
 
-def in_trunk(path: tuple) -> bool:
-    """Whether the parameter at `path` in a `Model`'s parameters is part of the pretrainable trunk:
-    the embedder, or the body other than its final norm (the blocks, tables, embedding norm)."""
-    keys = _keys(path)
-    return keys[0] == "embedder" or (keys[0] == "body" and keys[1] != "final_norm")
-
-
 def layer_scale(path: tuple, num_layers: int, decay: float) -> float:
     """The learning-rate factor of the parameter at `path` in a `Model`'s parameters: block i
-    (under "blocks") decay ** (L - i); the rest of the trunk decay ** (L + 1); everything else
-    (the final norm, the head) 1."""
+    (under "blocks") decay ** (L - i); the embedder and the body's tables and embedding norm
+    decay ** (L + 1); everything else (the final norm, the head) 1."""
     keys = _keys(path)
     if "blocks" in keys[:-1]:
         return decay ** (num_layers - keys[keys.index("blocks") + 1])
-    return decay ** (num_layers + 1) if in_trunk(path) else 1.0
+    if keys[0] == "embedder" or (keys[0] == "body" and keys[1] != "final_norm"):
+        return decay ** (num_layers + 1)
+    return 1.0
 
 
 def scale_by_layer(decay: float) -> optax.GradientTransformation:
@@ -61,25 +54,8 @@ def scale_by_layer(decay: float) -> optax.GradientTransformation:
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
-def probe_first(probe_steps: int, ramp_steps: int) -> optax.GradientTransformation:
-    """Zeroes the trunk's updates (`in_trunk`) for the first `probe_steps` updates, then scales
-    them up linearly to 1 over `ramp_steps`; the head's updates pass unchanged."""
-
-    def init(params):
-        return optax.ScaleByScheduleState(count=jnp.zeros([], jnp.int32))
-
-    def update(updates, state, params=None):
-        gate = jnp.clip((state.count - probe_steps + 1) / max(ramp_steps, 1), 0.0, 1.0)
-        updates = jax.tree.map_with_path(lambda path, u: u * gate.astype(u.dtype) if in_trunk(path) else u, updates)
-        return updates, optax.ScaleByScheduleState(count=optax.safe_int32_increment(state.count))
-
-    return optax.GradientTransformation(init, update)
-
-
 def optimizer(config: OptimConfig, total_steps: int) -> optax.GradientTransformation:
     layers = [] if config.layer_decay == 1.0 else [scale_by_layer(config.layer_decay)]
-    if config.probe_steps:
-        layers.append(probe_first(config.probe_steps, config.warmup_steps))
     return optax.chain(
         optax.clip_by_global_norm(config.clip_norm),
         optax.adamw(

@@ -280,32 +280,6 @@ def test_layer_decay_acts_on_the_updates():
     np.testing.assert_allclose([last / head, first / head], [0.5, 0.25], rtol=1e-6)
 
 
-def test_probe_steps_freeze_the_trunk_then_ramp_it_in():
-    from core.config import OptimConfig
-    from core.optim import optimizer
-
-    params = {
-        "head": {"w": jnp.ones(2)},
-        "body": {"final_norm": {"scale": jnp.ones(2)}, "blocks": {0: {"w": jnp.ones(2)}}},
-        "embedder": {"embedding": jnp.ones(2)},
-    }
-    # SGD-like updates: Adam with b1 = b2 = 0 and constant gradients moves each parameter by the rate.
-    config = OptimConfig(learning_rate=1.0, warmup_steps=4, weight_decay=0.0, b1=0.0, b2=0.0, probe_steps=3)
-    tx = optimizer(config, 1000)
-    state, moved = tx.init(params), []
-    for step in range(8):
-        updates, state = tx.update(jax.tree.map(jnp.ones_like, params), state, params)
-        if step == 0:
-            continue
-        flat = {jax.tree_util.keystr(path): float(u[0]) for path, u in jax.tree_util.tree_flatten_with_path(updates)[0]}
-        moved.append([flat[key] / flat["['head']['w']"] for key in sorted(flat)])
-    # Sorted: blocks, final norm, embedder, head. The trunk (blocks, embedder) waits 3 updates,
-    # then ramps over the 4 warm-up steps; the head and the final norm always move (but not at
-    # the first update, where the warm-up's rate is 0).
-    expected = [[0, 1, 0, 1]] * 2 + [[g, 1, g, 1] for g in (0.25, 0.5, 0.75, 1.0, 1.0)]
-    np.testing.assert_allclose(moved, expected, atol=1e-6)
-
-
 def test_embed_matches_sentence_transformers_encode(tmp_path):
     sentences = list(REFERENCE["sentences"])
     vectors = embed.embed(sentences, batch_size=3)  # batches cut to different lengths
