@@ -21,8 +21,6 @@ text (the task's `score_generated`) beside a classical baseline.
 from __future__ import annotations
 
 import functools
-import gzip
-import json
 import logging
 import zlib
 from collections.abc import Sequence
@@ -42,7 +40,6 @@ from core.errors import UserError
 from core.heads import Projection, TiedOutput, TokenEmbedder
 from core.task import PredictOption, Task
 from tasks.nlp import data as text_data
-from tasks.nlp.freedict import word_by_word
 from tasks.nlp.tokenizer import BOS, EOS, PAD, Tokenizer
 
 log = logging.getLogger("apps")
@@ -167,25 +164,18 @@ def split_pairs(pairs: Sequence[tuple[str, str]], split: str, direction: str = "
 
 @dataclass
 class Seq2SeqFeaturizer:
-    """The source and target tokenizers (one object when shared), the length budgets, and an
-    optional glossary (word -> translation) whose word-by-word gloss the encoder reads after
-    each source."""
+    """The source and target tokenizers (one object when shared) and the length budgets."""
 
     source: Tokenizer
     target: Tokenizer
     source_len: int
     target_len: int
-    glossary: dict[str, str] | None = None
-
-    GLOSSARY = "glossary.json.gz"
 
     @property
     def shared(self) -> bool:
         return self.source is self.target
 
     def save(self, directory: Path) -> None:
-        if self.glossary is not None:
-            (directory / self.GLOSSARY).write_bytes(gzip.compress(json.dumps(self.glossary).encode("utf-8")))
         if self.shared:
             self.source.save(directory)
             return
@@ -195,22 +185,14 @@ class Seq2SeqFeaturizer:
 
     @classmethod
     def load(cls, directory: Path, source_len: int, target_len: int) -> Seq2SeqFeaturizer:
-        glossary = directory / cls.GLOSSARY
-        glossary = json.loads(gzip.decompress(glossary.read_bytes())) if glossary.exists() else None
         if (directory / Tokenizer.FILE).exists():
             shared = Tokenizer.load(directory)
-            return cls(shared, shared, source_len, target_len, glossary)
-        sides = Tokenizer.load(directory / "source"), Tokenizer.load(directory / "target")
-        return cls(*sides, source_len, target_len, glossary)
-
-    def encoder_text(self, source: str) -> str:
-        """What the encoder reads: the source, and with a glossary " = " and its gloss."""
-        return source if self.glossary is None else f"{source} = {word_by_word(source, self.glossary)}"
+            return cls(shared, shared, source_len, target_len)
+        return cls(Tokenizer.load(directory / "source"), Tokenizer.load(directory / "target"), source_len, target_len)
 
     def source_ids(self, texts: Sequence[str]) -> list[np.ndarray]:
-        """Each source's pieces (with its gloss) and EOS, cut to `source_len` (with a warning)."""
-        texts = [self.encoder_text(text) for text in texts]
-        return _cut(self.source.processor.encode(texts), self.source_len, "source", "data.source_len")
+        """Each source's pieces and EOS, cut to `source_len` (with a warning)."""
+        return _cut(self.source.processor.encode(list(texts)), self.source_len, "source", "data.source_len")
 
     def text(self, ids: Sequence[int]) -> str:
         """The target text of generated ids (up to the first EOS)."""
@@ -288,10 +270,6 @@ class Seq2SeqTask(Task):
             pairs = read_pairs(self.data, options.source_column, options.target_column)
         return split_pairs(pairs, split, options.direction)
 
-    def glossary(self, train: Sequence[dict]) -> dict[str, str] | None:
-        """The word -> translation map whose glosses the encoder reads (None: sources alone)."""
-        return None
-
     def fit_featurizer(self, train: Sequence[dict]) -> Seq2SeqFeaturizer:
         options = self.config.data
         sources, targets = [e["source"] for e in train], [e["target"] for e in train]
@@ -299,7 +277,7 @@ class Seq2SeqTask(Task):
             source = target = Tokenizer.train(sources + targets, options.vocab_size)
         else:
             source, target = Tokenizer.train(sources, options.vocab_size), Tokenizer.train(targets, options.vocab_size)
-        return Seq2SeqFeaturizer(source, target, options.source_len, options.target_len, self.glossary(train))
+        return Seq2SeqFeaturizer(source, target, options.source_len, options.target_len)
 
     def load_featurizer(self, directory: Path) -> Seq2SeqFeaturizer:
         return Seq2SeqFeaturizer.load(directory, self.config.data.source_len, self.config.data.target_len)
