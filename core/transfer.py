@@ -20,8 +20,6 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from sklearn.linear_model import LogisticRegression
-from sklearn.preprocessing import StandardScaler
 
 from core import data as data_lib
 from core import pretrained
@@ -113,6 +111,11 @@ def linear_probe(
     rows with weight > 0, as the kernel [D, C] and bias [C] of a linear layer over the raw
     features (the standardization folded in), and its training accuracy. Classes that the rows
     lack get no weight and the lowest bias."""
+    # Imported here: scikit-learn's import starts threads, and `core.host.keep_freed_memory` must
+    # run before any thread does (importing the suite leaves the allocator alone).
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.preprocessing import StandardScaler
+
     kept = weights > 0
     features, targets, weights = features[kept].astype(np.float64), targets[kept], weights[kept]
     if len(np.unique(targets)) < 2:
