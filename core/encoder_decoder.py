@@ -5,10 +5,13 @@ The source front end maps (`inputs`, `mask`) to vectors and a mask, which a bidi
 (the targets shifted right behind a beginning-of-sequence token), and a causal `Transformer`
 built with `cross_attention=True` runs over them and over the memory; the head maps its states
 to the task's outputs, which the loss compares with `targets` (see core/task.py for the keys).
+A `core.heads.CopyOutput` head also reads the source (the memory and the source tokens), so that
+the model may copy source tokens into the target.
 
 Decoding (`generate_from_source`, `generate_beams_from_source`) runs core/generate.py's `sample`
 and `beam_search` with this model's own decode step: `encode_prefill` encodes the sources once,
-projects every decoder layer's keys and values of the memory once into the cache and feeds the
+projects every decoder layer's keys and values of the memory once into the cache (and, for a
+copying head, its view of the source into the state beside it) and feeds the
 beginning-of-sequence token; `encoder_decoder_step` then runs one target token at a time.
 """
 
@@ -17,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -27,8 +30,17 @@ from flax import nnx
 from core.beam import Beams, beam_search
 from core.config import ModelConfig
 from core.errors import UserError
-from core.generate import COMPILER_OPTIONS, Generation, OnTokens, beam_settings, logits_of, sample, sampling_and_key
+from core.generate import COMPILER_OPTIONS, Generation, OnTokens, beam_settings, sample, sampling_and_key, step_logits
+from core.heads import CopyOutput, Source
 from core.transformer import Cache, Transformer
+
+
+class DecodeState(NamedTuple):
+    """What an encoder-decoder's decode step carries: the decoder's `Cache` (which holds the
+    memory's keys and values) and, for a `CopyOutput` head, its `Source` (else None)."""
+
+    cache: Cache
+    source: Source | None
 
 
 class EncoderDecoder(nnx.Module):
@@ -59,6 +71,20 @@ class EncoderDecoder(nnx.Module):
         self.target_embedder = target_embedder
         self.decoder = decoder
         self.head = head
+
+    @property
+    def copies(self) -> bool:
+        """Whether the head reads the source (a `CopyOutput`): the source front end must then
+        be token ids of the target's vocabulary."""
+        return isinstance(self.head, CopyOutput)
+
+    def source(self, memory: jax.Array, memory_mask: jax.Array, inputs: jax.Array) -> Source | None:
+        """The head's view of the source, or None for a head that does not read it."""
+        return self.head.source(memory, memory_mask, inputs) if self.copies else None
+
+    def outputs(self, hidden: jax.Array, mask: jax.Array, source: Source | None):
+        """The head's outputs at the decoder states `hidden` [B, T, D]."""
+        return self.head(hidden, mask) if source is None else self.head(hidden, mask, source)
 
     @classmethod
     def build(
@@ -94,30 +120,33 @@ class EncoderDecoder(nnx.Module):
         memory, memory_mask = self.encode(batch["inputs"], batch["mask"], dropout_key=keys[0])
         x, mask = self.target_embedder(batch["decoder_inputs"], batch["decoder_mask"])
         hidden = self.decoder(x, mask, memory=memory, memory_mask=memory_mask, dropout_key=keys[1])
-        return self.head(hidden, mask)
+        return self.outputs(hidden, mask, self.source(memory, memory_mask, batch["inputs"]))
 
 
 def encode_prefill(
     model: EncoderDecoder, source_inputs: jax.Array, source_mask: jax.Array, bos: int, max_len: int
-) -> tuple[jax.Array, Cache]:
+) -> tuple[jax.Array, DecodeState]:
     """Sources (front-end inputs [B, S, ...] and mask [B, S]) through the encoder once, every
     decoder layer's keys and values of the memory into a new cache of `max_len` target
-    positions, then the `bos` token: -> (logits [B, V] for the first target token, the cache)."""
+    positions, then the `bos` token: -> (logits [B, V] for the first target token, the state)."""
     memory, memory_mask = model.encode(source_inputs, source_mask)
     encoder = model.encoder.config
     if encoder.positions == "learned" and memory.shape[1] > encoder.max_len:
         raise UserError(f"Sources of {memory.shape[1]} positions exceed the encoder's max_len={encoder.max_len}.")
     B = memory.shape[0]
     cache = model.decoder.init_cache(B, max_len, memory.dtype, model.decoder.project_memory(memory, memory_mask))
-    return encoder_decoder_step(model, cache, jnp.full((B,), bos, jnp.int32))
+    state = DecodeState(cache, model.source(memory, memory_mask, source_inputs))
+    return encoder_decoder_step(model, state, jnp.full((B,), bos, jnp.int32))
 
 
-def encoder_decoder_step(model: EncoderDecoder, cache: Cache, tokens: jax.Array) -> tuple[jax.Array, Cache]:
+def encoder_decoder_step(model: EncoderDecoder, state: DecodeState, tokens: jax.Array) -> tuple[jax.Array, DecodeState]:
     """The decode step of an encoder-decoder: one target token per row [B] after its cached
-    ones, attending to the memory in the cache -> (logits [B, V], the cache)."""
-    x, _ = model.target_embedder(tokens[:, None], jnp.ones((tokens.shape[0], 1), bool))
-    hidden, cache = model.decoder.extend(x, cache)
-    return logits_of(model, hidden), cache
+    ones, attending to the memory in the cache -> (logits [B, V] in float32, the state); a
+    copying head's log-probabilities serve as logits."""
+    one = jnp.ones((tokens.shape[0], 1), bool)
+    x, _ = model.target_embedder(tokens[:, None], one)
+    hidden, cache = model.decoder.extend(x, state.cache)
+    return step_logits(model.outputs(hidden, one, state.source)), DecodeState(cache, state.source)
 
 
 def generate_from_source(

@@ -186,7 +186,12 @@ def _last(hidden: jax.Array, lengths: jax.Array) -> jax.Array:
 
 def logits_of(model: Model, hidden: jax.Array) -> jax.Array:
     """The head at one position per row: hidden [B, 1, D] -> logits [B, V] in float32."""
-    outputs = model.head(hidden, jnp.ones(hidden.shape[:2], bool))
+    return step_logits(model.head(hidden, jnp.ones(hidden.shape[:2], bool)))
+
+
+def step_logits(outputs: jax.Array | Projection) -> jax.Array:
+    """A head's outputs at one position per row ([B, 1, V], or a `Projection`) -> logits [B, V]
+    in float32."""
     if isinstance(outputs, Projection):
         outputs = outputs.logits()
     return outputs[:, 0].astype(jnp.float32)

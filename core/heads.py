@@ -80,3 +80,49 @@ class TiedOutput(nnx.Module):
 
     def __call__(self, hidden: jax.Array, mask: jax.Array) -> Projection:
         return Projection(hidden, self.embedder.embedding.embedding[...])
+
+
+class Source(NamedTuple):
+    """What a `CopyOutput` reads of an encoder-decoder's source: its copy keys [B, S, D] (the
+    memory projected once per source), the memory's mask [B, S] and the source's token ids
+    [B, S], in the target vocabulary."""
+
+    keys: jax.Array
+    mask: jax.Array
+    tokens: jax.Array
+
+
+class CopyOutput(nnx.Module):
+    """A pointer-generator output (See et al. 2017, "Get to the point") over a vocabulary that
+    source and target share: -> log-probabilities [B, T, V].
+
+    At each target position a gate g = sigmoid(w . h + b) mixes the tied output's softmax with a
+    copy distribution: one attention head from the decoder state over the memory, whose weights
+    go to the source tokens at the attended positions. P(y) = g softmax(h E^T)_y + (1 - g) sum of
+    the attention on the source positions holding y. A word the model can read in the source (a
+    name, a dictionary gloss) is then one attention away, not a row of the output table to learn.
+    """
+
+    def __init__(self, embedder: TokenEmbedder, d_model: int, *, rngs: nnx.Rngs):
+        self.embedder = embedder
+        self.query = nnx.Linear(d_model, d_model, use_bias=False, rngs=rngs)
+        self.key = nnx.Linear(d_model, d_model, use_bias=False, rngs=rngs)
+        self.gate = nnx.Linear(d_model, 1, rngs=rngs)
+
+    def source(self, memory: jax.Array, mask: jax.Array, tokens: jax.Array) -> Source:
+        """The source as this head reads it; computed once per source when decoding."""
+        return Source(self.key(memory), mask, tokens)
+
+    def __call__(self, hidden: jax.Array, mask: jax.Array, source: Source) -> jax.Array:
+        table = self.embedder.embedding.embedding[...]
+        generated = jax.nn.log_softmax(Projection(hidden, table).logits(), axis=-1)
+        scores = jnp.einsum("BTD,BSD->BTS", self.query(hidden), source.keys).astype(jnp.float32)
+        scores = jnp.where(source.mask[:, None, :], scores * hidden.shape[-1] ** -0.5, -1e9)
+        attention = jax.nn.softmax(scores, axis=-1)
+        # Attention on each source position, summed per vocabulary id: [B, T, S] x [B, S, V].
+        copied = jnp.einsum("BTS,BSV->BTV", attention, jax.nn.one_hot(source.tokens, table.shape[0]))
+        gate = self.gate(hidden).astype(jnp.float32)
+        # log(g p + (1 - g) c); c is 0 for ids not in the source, whose log is then floored.
+        return jnp.logaddexp(
+            jax.nn.log_sigmoid(gate) + generated, jax.nn.log_sigmoid(-gate) + jnp.log(jnp.maximum(copied, 1e-30))
+        )

@@ -17,6 +17,7 @@ from core import losses
 from core.attention import attention, library_arguments, memory_attention
 from core.config import Config, ModelConfig
 from core.encoder_decoder import (
+    DecodeState,
     EncoderDecoder,
     encode_prefill,
     encoder_decoder_step,
@@ -25,7 +26,7 @@ from core.encoder_decoder import (
     prepare_sources,
 )
 from core.errors import UserError
-from core.heads import TiedOutput, TokenEmbedder
+from core.heads import CopyOutput, Projection, TiedOutput, TokenEmbedder
 from core.task import Task
 from core.train import build_model
 from core.transformer import Transformer
@@ -35,13 +36,14 @@ SETTINGS = dict(d_model=32, num_layers=2, num_heads=4, mlp_dim=64, max_len=16, d
 SOURCES = [[5, 9, 12, 3, 30], [8, 8, 21, 4, 17, 26, 11, 19, 6], [33, 14]]
 
 
-def encoder_decoder(**changes) -> EncoderDecoder:
+def encoder_decoder(copy: bool = False, **changes) -> EncoderDecoder:
     """A tiny model whose source and target share one vocabulary, one embedding table and the
-    tied output."""
+    tied output (with `copy`, a pointer-generator over it)."""
     rngs = nnx.Rngs(0)
     embedder = TokenEmbedder(VOCAB, SETTINGS["d_model"], rngs=rngs)
     config = ModelConfig(**{**SETTINGS, **changes})
-    return EncoderDecoder.build(config, embedder, embedder, TiedOutput(embedder), rngs=rngs)
+    head = CopyOutput(embedder, config.d_model, rngs=rngs) if copy else TiedOutput(embedder)
+    return EncoderDecoder.build(config, embedder, embedder, head, rngs=rngs)
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +53,19 @@ def model():
 
 @nnx.jit
 def forward(model, batch):
-    return model(batch).logits()
+    outputs = model(batch)
+    return outputs.logits() if isinstance(outputs, Projection) else outputs
+
+
+def mean_cross_entropy(outputs, batch):
+    """Either head's cross-entropy per scored target."""
+    if isinstance(outputs, Projection):
+        total, weight = losses.linear_cross_entropy(
+            outputs.hidden, outputs.weight, batch["targets"], batch["target_mask"]
+        )
+    else:
+        total, weight = losses.cross_entropy(outputs, batch["targets"], batch["target_mask"])
+    return total / weight
 
 
 def padded(sources, length, pad=7):
@@ -83,6 +97,7 @@ jit_step = nnx.jit(encoder_decoder_step)
         {"positions": "learned", "num_kv_heads": 2},
         {"positions": "rotary", "num_kv_heads": 1, "decoder_layers": 3},
         {"positions": "rotary", "num_kv_heads": 2, "attention": "xla"},
+        {"positions": "rotary", "copy": True},
     ],
 )
 def test_cached_decoding_equals_teacher_forcing(changes):
@@ -90,14 +105,29 @@ def test_cached_decoding_equals_teacher_forcing(changes):
     targets = np.random.default_rng(0).integers(3, VOCAB, (3, 10)).astype(np.int32)
     full = teacher_forced(model, SOURCES, targets)
     tokens, mask = padded(SOURCES, 9)
-    logits, cache = jit_encode_prefill(model, jnp.asarray(tokens), jnp.asarray(mask), BOS, 10)
+    logits, state = jit_encode_prefill(model, jnp.asarray(tokens), jnp.asarray(mask), BOS, 10)
     for position in range(10):
         np.testing.assert_allclose(logits, full[:, position], atol=2e-5, rtol=1e-5)
-        logits, cache = jit_step(model, cache, jnp.asarray(targets[:, position]))
-    np.testing.assert_array_equal(cache.lengths, [11, 11, 11])
+        logits, state = jit_step(model, state, jnp.asarray(targets[:, position]))
+    np.testing.assert_array_equal(state.cache.lengths, [11, 11, 11])
     # The memory's keys and values were projected once, for every decoder layer, batch first.
-    assert len(cache.memory.layers) == len(model.decoder.blocks)
-    assert all(leaf.shape[0] == 3 for leaf in jax.tree.leaves(cache))
+    assert len(state.cache.memory.layers) == len(model.decoder.blocks)
+    assert (state.source is not None) == model.copies
+    assert all(leaf.shape[0] == 3 for leaf in jax.tree.leaves(state))
+
+
+def test_the_copy_head_gives_source_tokens_their_attention():
+    model = encoder_decoder(copy=True)
+    targets = np.random.default_rng(5).integers(3, VOCAB, (3, 4))
+    log_probs = teacher_forced(model, SOURCES, targets)
+    np.testing.assert_allclose(np.exp(log_probs).sum(-1), 1.0, atol=1e-5)
+    # All copying (gate ~0) with uniform attention (a zero query): P(y) is y's share of the source.
+    model.head.gate.bias[...] = jnp.full((1,), -40.0)
+    model.head.query.kernel[...] = jnp.zeros_like(model.head.query.kernel[...])
+    probs = np.exp(teacher_forced(model, SOURCES, targets))
+    for row, source in enumerate(SOURCES):
+        expected = np.bincount(source, minlength=VOCAB) / len(source)
+        np.testing.assert_allclose(probs[row], np.broadcast_to(expected, probs[row].shape), atol=1e-6)
 
 
 @nnx.jit
@@ -119,10 +149,10 @@ def test_a_prefilled_target_prefix_follows_the_memory_too(model):
     lengths = np.array([3, 5, 1], np.int32)  # BOS and 2, 4 or 0 targets; the rest is padding
     tokens, mask = padded(SOURCES, 9)
     logits, cache = prefill_targets(model, tokens, mask, prefix, lengths)
-    rows = np.arange(3)
+    rows, state = np.arange(3), DecodeState(cache, None)
     for offset in range(4):
         np.testing.assert_allclose(logits, full[rows, lengths - 1 + offset], atol=2e-5, rtol=1e-5)
-        logits, cache = jit_step(model, cache, jnp.asarray(targets[rows, lengths - 1 + offset]))
+        logits, state = jit_step(model, state, jnp.asarray(targets[rows, lengths - 1 + offset]))
 
 
 def test_more_source_padding_changes_nothing(model):
@@ -195,7 +225,8 @@ def test_batched_sources_give_what_each_gives_alone(model):
     np.testing.assert_allclose(beams.scores[2], alone.scores[0], atol=1e-5)
 
 
-def test_a_tiny_model_learns_to_reverse_one_batch():
+@pytest.mark.parametrize("copy", [False, True])
+def test_a_tiny_model_learns_to_reverse_one_batch(copy):
     start = time.perf_counter()
     rng = np.random.default_rng(0)
     sources = [list(rng.integers(3, 16, n)) for n in (3, 4, 5, 6, 6, 5, 4, 3)]
@@ -211,18 +242,14 @@ def test_a_tiny_model_learns_to_reverse_one_batch():
         "targets": padded(targets, 7, pad=0)[0],
         "target_mask": decoder_mask,
     }
-    model = encoder_decoder(num_layers=1, decoder_layers=2, num_heads=2, num_kv_heads=1, positions="rotary")
+    model = encoder_decoder(copy, num_layers=1, decoder_layers=2, num_heads=2, num_kv_heads=1, positions="rotary")
     graphdef, params = nnx.split(model)
     tx = optax.adam(1e-2)
 
     @jax.jit
     def train_step(params, opt_state, batch):
         def loss(params):
-            projection = nnx.merge(graphdef, params)(batch)
-            total, weight = losses.linear_cross_entropy(
-                projection.hidden, projection.weight, batch["targets"], batch["target_mask"]
-            )
-            return total / weight
+            return mean_cross_entropy(nnx.merge(graphdef, params)(batch), batch)
 
         value, grads = jax.value_and_grad(loss)(params)
         updates, opt_state = tx.update(grads, opt_state, params)

@@ -298,3 +298,27 @@ def test_a_missing_default_dictionary_is_one_clear_message(tmp_path, monkeypatch
     result = apps("train", "translate", "--preset", "tiny", "--workdir", tmp_path / "run")
     assert result.exit_code == 1 and "Traceback" not in result.output
     assert "dict-freedict-eng-deu" in result.output and "--data" in result.output
+
+
+def test_a_glossary_puts_the_gloss_after_the_source_and_travels_with_the_featurizer(featurizer, tmp_path):
+    import dataclasses
+
+    glossed = dataclasses.replace(featurizer, glossary={"a": "g", "b": "h"}, source_len=20)
+    assert glossed.encoder_text("a b c.") == "a b c. = g h c."
+    pieces = featurizer.source.processor.encode
+    [source] = glossed.source_ids(["a b"])
+    np.testing.assert_array_equal(source, [*pieces("a b = g h"), EOS])
+    glossed.save(tmp_path)
+    again = Seq2SeqFeaturizer.load(tmp_path, 20, 6)
+    assert again.glossary == {"a": "g", "b": "h"} and again.encoder_text("b a") == "b a = h g"
+    (tmp_path / "plain").mkdir()
+    featurizer.save(tmp_path / "plain")
+    assert Seq2SeqFeaturizer.load(tmp_path / "plain", 12, 6).glossary is None
+
+
+def test_a_glossary_needs_english_sources():
+    from core.errors import UserError
+    from tasks.nlp.translate import TranslateData
+
+    with pytest.raises(UserError, match="data.glossary=True glosses English sources"):
+        TranslateData(glossary=True, direction="reverse")

@@ -21,6 +21,8 @@ text (the task's `score_generated`) beside a classical baseline.
 from __future__ import annotations
 
 import functools
+import gzip
+import json
 import logging
 import zlib
 from collections.abc import Sequence
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
+import jax
 import numpy as np
 from flax import nnx
 
@@ -37,9 +40,10 @@ from core.config import Config, ModelConfig, OptimConfig, TrainConfig, require
 from core.data import bucket_width
 from core.encoder_decoder import EncoderDecoder, generate_beams_from_source, generate_from_source
 from core.errors import UserError
-from core.heads import Projection, TiedOutput, TokenEmbedder
+from core.heads import CopyOutput, Projection, TiedOutput, TokenEmbedder
 from core.task import PredictOption, Task
 from tasks.nlp import data as text_data
+from tasks.nlp.freedict import word_by_word
 from tasks.nlp.tokenizer import BOS, EOS, PAD, Tokenizer
 
 log = logging.getLogger("apps")
@@ -63,6 +67,9 @@ class Seq2SeqData:
     # A decoding generates at most max_len_a * (source pieces) + max_len_b pieces (fairseq's rule).
     max_len_a: float = 1.5
     max_len_b: int = 8
+    # A pointer-generator output (core.heads.CopyOutput): each target piece may be copied from
+    # the source's pieces as well as generated; needs shared_vocab.
+    copy: bool = False
 
     def __post_init__(self):
         for key in ("vocab_size", "source_len", "target_len"):
@@ -70,6 +77,7 @@ class Seq2SeqData:
         require(0 <= self.label_smoothing < 1, "data.label_smoothing", self.label_smoothing, "must be in [0, 1)")
         require(self.max_len_a >= 0, "data.max_len_a", self.max_len_a, "must not be negative")
         require(self.max_len_b >= 0, "data.max_len_b", self.max_len_b, "must not be negative")
+        require(not self.copy or self.shared_vocab, "data.copy", self.copy, "copies source pieces: needs data.shared_vocab")
 
 
 def preset(task: str, name: str, model: ModelConfig, data: Seq2SeqData, steps: int, batch_size: int, lr: float):
@@ -164,18 +172,25 @@ def split_pairs(pairs: Sequence[tuple[str, str]], split: str, direction: str = "
 
 @dataclass
 class Seq2SeqFeaturizer:
-    """The source and target tokenizers (one object when shared) and the length budgets."""
+    """The source and target tokenizers (one object when shared), the length budgets, and an
+    optional glossary (word -> translation) whose word-by-word gloss the encoder reads after
+    each source."""
 
     source: Tokenizer
     target: Tokenizer
     source_len: int
     target_len: int
+    glossary: dict[str, str] | None = None
+
+    GLOSSARY = "glossary.json.gz"
 
     @property
     def shared(self) -> bool:
         return self.source is self.target
 
     def save(self, directory: Path) -> None:
+        if self.glossary is not None:
+            (directory / self.GLOSSARY).write_bytes(gzip.compress(json.dumps(self.glossary).encode("utf-8")))
         if self.shared:
             self.source.save(directory)
             return
@@ -185,14 +200,22 @@ class Seq2SeqFeaturizer:
 
     @classmethod
     def load(cls, directory: Path, source_len: int, target_len: int) -> Seq2SeqFeaturizer:
+        glossary = directory / cls.GLOSSARY
+        glossary = json.loads(gzip.decompress(glossary.read_bytes())) if glossary.exists() else None
         if (directory / Tokenizer.FILE).exists():
             shared = Tokenizer.load(directory)
-            return cls(shared, shared, source_len, target_len)
-        return cls(Tokenizer.load(directory / "source"), Tokenizer.load(directory / "target"), source_len, target_len)
+            return cls(shared, shared, source_len, target_len, glossary)
+        sides = Tokenizer.load(directory / "source"), Tokenizer.load(directory / "target")
+        return cls(*sides, source_len, target_len, glossary)
+
+    def encoder_text(self, source: str) -> str:
+        """What the encoder reads: the source, and with a glossary " = " and its gloss."""
+        return source if self.glossary is None else f"{source} = {word_by_word(source, self.glossary)}"
 
     def source_ids(self, texts: Sequence[str]) -> list[np.ndarray]:
-        """Each source's pieces and EOS, cut to `source_len` (with a warning)."""
-        return _cut(self.source.processor.encode(list(texts)), self.source_len, "source", "data.source_len")
+        """Each source's pieces (with its gloss) and EOS, cut to `source_len` (with a warning)."""
+        texts = [self.encoder_text(text) for text in texts]
+        return _cut(self.source.processor.encode(texts), self.source_len, "source", "data.source_len")
 
     def text(self, ids: Sequence[int]) -> str:
         """The target text of generated ids (up to the first EOS)."""
@@ -270,6 +293,10 @@ class Seq2SeqTask(Task):
             pairs = read_pairs(self.data, options.source_column, options.target_column)
         return split_pairs(pairs, split, options.direction)
 
+    def glossary(self, train: Sequence[dict]) -> dict[str, str] | None:
+        """The word -> translation map whose glosses the encoder reads (None: sources alone)."""
+        return None
+
     def fit_featurizer(self, train: Sequence[dict]) -> Seq2SeqFeaturizer:
         options = self.config.data
         sources, targets = [e["source"] for e in train], [e["target"] for e in train]
@@ -277,7 +304,7 @@ class Seq2SeqTask(Task):
             source = target = Tokenizer.train(sources + targets, options.vocab_size)
         else:
             source, target = Tokenizer.train(sources, options.vocab_size), Tokenizer.train(targets, options.vocab_size)
-        return Seq2SeqFeaturizer(source, target, options.source_len, options.target_len)
+        return Seq2SeqFeaturizer(source, target, options.source_len, options.target_len, self.glossary(train))
 
     def load_featurizer(self, directory: Path) -> Seq2SeqFeaturizer:
         return Seq2SeqFeaturizer.load(directory, self.config.data.source_len, self.config.data.target_len)
@@ -286,24 +313,20 @@ class Seq2SeqTask(Task):
         d_model = config.model.d_model
         source = TokenEmbedder(featurizer.source.vocab_size, d_model, rngs=rngs)
         target = source if featurizer.shared else TokenEmbedder(featurizer.target.vocab_size, d_model, rngs=rngs)
-        return EncoderDecoder.build(
-            config.model, source, target, TiedOutput(target), remat=config.train.remat, rngs=rngs
-        )
+        head = CopyOutput(target, d_model, rngs=rngs) if config.data.copy else TiedOutput(target)
+        return EncoderDecoder.build(config.model, source, target, head, remat=config.train.remat, rngs=rngs)
 
-    def loss(self, projection: Projection, batch: dict):
-        smoothing = self.config.data.label_smoothing
-        return losses.linear_cross_entropy(
-            projection.hidden, projection.weight, batch["targets"], _scored(batch), smoothing
-        )
+    def loss(self, outputs: Projection | jax.Array, batch: dict):
+        return _cross_entropy(outputs, batch, self.config.data.label_smoothing)
 
-    def metrics(self, projection: Projection, batch: dict):
-        scored = _scored(batch)
+    def metrics(self, outputs: Projection | jax.Array, batch: dict):
+        logits = outputs.logits() if isinstance(outputs, Projection) else outputs
         return {
-            "nll": losses.linear_cross_entropy(projection.hidden, projection.weight, batch["targets"], scored),
-            "token_accuracy": metric_lib.accuracy(projection.logits(), batch["targets"], scored),
+            "nll": _cross_entropy(outputs, batch),
+            "token_accuracy": metric_lib.accuracy(logits, batch["targets"], _scored(batch)),
         }
 
-    def decode(self, projection: Projection, batch: dict) -> dict:
+    def decode(self, outputs: Projection | jax.Array, batch: dict) -> dict:
         return {}  # the text is generated (`generate`), not read off the teacher-forced pass
 
     def score(self, predictions, examples, featurizer) -> dict[str, float]:
@@ -352,6 +375,16 @@ class Seq2SeqTask(Task):
 
     def render(self, predictions, examples, featurizer) -> list[dict[str, str]]:
         return [{"source": e["source"], self.output_name: text} for e, text in zip(examples, predictions["text"])]
+
+
+def _cross_entropy(outputs: Projection | jax.Array, batch: dict, label_smoothing: float = 0.0):
+    """Cross-entropy of the scored targets: through the tied projection without forming its
+    logits, or of a copying head's log-probabilities [B, T, V] (their log-softmax is themselves)."""
+    if isinstance(outputs, Projection):
+        return losses.linear_cross_entropy(
+            outputs.hidden, outputs.weight, batch["targets"], _scored(batch), label_smoothing
+        )
+    return losses.cross_entropy(outputs, batch["targets"], _scored(batch), label_smoothing)
 
 
 def _scored(batch: dict):
