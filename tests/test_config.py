@@ -58,6 +58,8 @@ def test_train_fraction_is_a_nested_stratified_share_of_train():
     assert [sum(e["label"] == name for e in hundredth) for name in "ab"] == [6, 2]
     texts = lambda examples: {e["text"] for e in examples}  # noqa: E731
     assert texts(hundredth) < texts(tenth) < texts(train)
-    assert split(columns, "valid", 0.1) == split(columns, "valid") and split(columns, "test", 0.1) == split(columns, "test")
+    assert split(columns, "valid", 0.1) == split(columns, "valid") and split(columns, "test", 0.1) == split(
+        columns, "test"
+    )
     with pytest.raises(UserError, match=r"data.train_fraction=0.0 must be in \(0, 1\]"):
         apply_overrides(base(), ["data.train_fraction=0"])

@@ -1,6 +1,7 @@
 """Translation and summarization: the FreeDict parser and baseline, the split, the featurizer,
 the scores, decoding through the task, and bad input."""
 
+import dataclasses
 import gzip
 import json
 import logging
@@ -53,6 +54,10 @@ ENTRIES = [
     ),
     ("with", "with /wˈɪð/\nbei ([+ dat]) <prep>\n"),
     ("run", "run /ɹˈʌn/\n [Am.] Laufmasche <fem>, Fallmasche <fem> [textil.]\n"),
+    ("dog house", "dog house\nHundehütte <fem>, Hundezwinger <masc>\n"),
+    ("Dog House", "Dog House\nHundehaus <neut>\n"),
+    ("go to the dogs", "go to the dogs <v>\nvor die Hunde gehen <v>\n"),
+    ("go to the dogs again", "go to the dogs again\nwieder vor die Hunde gehen\n"),
 ]
 
 
@@ -106,6 +111,8 @@ def test_senses_of_a_toy_dictionary_and_the_choice_by_counts(toy_dictionary):
         "with": ("bei",),
         "run": ("Laufmasche",),
     }
+    # Phrases of 2 to PHRASE_WORDS words, lower-cased, the first entry's first translation.
+    assert freedict.phrases(*toy_dictionary) == {"dog house": "Hundehütte", "go to the dogs": "vor die Hunde gehen"}
     chosen = freedict.choose_senses(senses, ["der Hund", "der Hund bellt", "das Haus"])
     assert chosen["dog"] == "Hund" and chosen["the"] == "der"
     # No counts at all: the first sense.
@@ -115,6 +122,10 @@ def test_senses_of_a_toy_dictionary_and_the_choice_by_counts(toy_dictionary):
 def test_word_by_word_copies_unknown_words_and_punctuation():
     words = {"the": "der", "dog": "Hund", "with": "mit"}
     assert freedict.word_by_word("The dog, with Rex!", words) == "der Hund, mit Rex!"
+    # The longest phrase starting at a word is translated whole, whatever its case.
+    phrases = {**words, "dog house": "Hundehütte", "the dog house": "die Hundehütte"}
+    assert freedict.word_by_word("with The Dog house.", phrases) == "mit die Hundehütte."
+    assert freedict.word_by_word("a dog house dog", phrases) == "a Hundehütte Hund"
 
 
 def test_a_missing_dictionary_names_the_package_and_the_alternative(tmp_path):
@@ -194,10 +205,12 @@ def test_beam_search_returns_the_best_sequence_under_the_length_penalty(alpha, e
     assert float(beams.scores[0, 0]) == pytest.approx(np.log(probability) / gnmt_penalty(length, alpha), abs=1e-5)
 
 
-@pytest.mark.parametrize("name", ["translate", "summarize"])
-def test_padding_and_batching_change_no_output(name):
+@pytest.mark.parametrize("name,copy", [("translate", False), ("summarize", False), ("translate", True)])
+def test_padding_and_batching_change_no_output(name, copy):
     task_type = tasks.get(name)
-    task = task_type(config=task_type.presets["tiny"](), data="synthetic")
+    config = task_type.presets["tiny"]()
+    config = dataclasses.replace(config, data=dataclasses.replace(config.data, copy=copy))
+    task = task_type(config=config, data="synthetic")
     featurizer = task.fit_featurizer(task.examples("train"))
     model = build_model(task, featurizer, task.config)
     examples = task.examples("test")[:20]
@@ -301,8 +314,6 @@ def test_a_missing_default_dictionary_is_one_clear_message(tmp_path, monkeypatch
 
 
 def test_a_glossary_puts_the_gloss_after_the_source_and_travels_with_the_featurizer(featurizer, tmp_path):
-    import dataclasses
-
     glossed = dataclasses.replace(featurizer, glossary={"a": "g", "b": "h"}, source_len=20)
     assert glossed.encoder_text("a b c.") == "a b c. = g h c."
     pieces = featurizer.source.processor.encode
@@ -320,5 +331,28 @@ def test_a_glossary_needs_english_sources():
     from core.errors import UserError
     from tasks.nlp.translate import TranslateData
 
-    with pytest.raises(UserError, match="data.glossary=True glosses English sources"):
-        TranslateData(glossary=True, direction="reverse")
+    with pytest.raises(UserError, match="data.glossary='words' glosses English sources"):
+        TranslateData(glossary="words", direction="reverse")
+
+
+def test_a_copying_model_trains_predicts_and_needs_one_vocabulary(tmp_path):
+    workdir = tmp_path / "run"
+    copy = ("--set", "data.copy=True")
+    result = apps("train", "translate", "--preset", "tiny", "--data", "synthetic", *copy, "--workdir", workdir)
+    assert result.exit_code == 0, result.output
+    [row] = run.predict(tasks.get("translate"), workdir, ["red cat"], {"--beams": "2"})
+    assert isinstance(row["translation"], str)
+    result = apps("train", "translate", "--preset", "tiny", *copy, "--set", "data.shared_vocab=False")
+    assert result.exit_code == 1 and "data.copy=True copies source pieces: needs data.shared_vocab" in result.output
+
+
+def test_a_phrase_glossary_leaves_out_phrases_that_are_held_out_sources(monkeypatch):
+    task_type = tasks.get("translate")
+    config = task_type.presets["tiny"]()
+    config = dataclasses.replace(config, data=dataclasses.replace(config.data, glossary="phrases"))
+    task = task_type(config=config, data="synthetic")
+    held_out = task.examples("test")[0]["source"]
+    monkeypatch.setattr(freedict, "senses", lambda: {"cat": ("Katze",)})
+    monkeypatch.setattr(freedict, "phrases", lambda: {held_out.lower(): "X", "red cat": "Rotkatze"})
+    train = task.examples("train")
+    assert task.glossary(train) == {"cat": "Katze", "red cat": "Rotkatze"}

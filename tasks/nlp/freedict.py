@@ -36,6 +36,8 @@ _EXAMPLE = re.compile(r'^\s+"(.+?)"  - (.+?)\s*$', re.M)
 _SLASHED = re.compile(r"(\w[\w'’.-]*?)(?:/[\w'’.-]*\w)+")
 _SENTENCE_ALTERNATIVES = re.compile(r"(?<=[.!?…])\s*,\s+")
 _ANNOTATION = re.compile(r"<[^<>]*>|\[[^\[\]]*\]|\{[^{}]*\}|\([^()]*\)")
+# The longest headword phrase that `phrases` keeps and `word_by_word` looks up.
+PHRASE_WORDS = 4
 _BASE64 = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
 
 
@@ -96,25 +98,41 @@ def _number(text: str) -> int:
 def senses(dictionary: Path | None = None, index: Path | None = None) -> dict[str, tuple[str, ...]]:
     """One-word headword -> the first translation of each of its senses, in dictionary order
     (of the installed dictionary by default)."""
-    return _senses(dictionary or DICTIONARY, index or INDEX)
+    return {
+        headword: tuple(found)
+        for headword, found in _headwords(dictionary or DICTIONARY, index or INDEX)
+        if " " not in headword
+    }
+
+
+def phrases(dictionary: Path | None = None, index: Path | None = None) -> dict[str, str]:
+    """Headword of 2 to PHRASE_WORDS words, lower case -> the first translation of its first
+    sense ("construction site" -> "Baustelle")."""
+    found = {}
+    for headword, translations in _headwords(dictionary or DICTIONARY, index or INDEX):
+        words = headword.lower().split()
+        if 1 < len(words) <= PHRASE_WORDS:
+            found.setdefault(" ".join(words), translations[0])
+    return found
 
 
 @functools.cache
-def _senses(dictionary: Path, index: Path) -> dict[str, tuple[str, ...]]:
+def _headwords(dictionary: Path, index: Path) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """(headword, the first translation of each of its senses) of every entry with one."""
     if not index.is_file():
         raise UserError(missing_message(index))
     data = read(dictionary)
     found: dict[str, list[str]] = {}
     for line in index.read_text(encoding="utf-8").splitlines():
         headword, _, rest = line.partition("\t")
-        if not headword or " " in headword or headword.startswith("00-database"):
+        if not headword or headword.startswith("00-database"):
             continue
         offset, _, length = rest.partition("\t")
         start = _number(offset)
         translation = first_sense(data[start : start + _number(length)].decode("utf-8", errors="replace"))
         if translation and translation not in found.setdefault(headword, []):
             found[headword].append(translation)
-    return {headword: tuple(translations) for headword, translations in found.items()}
+    return tuple((headword, tuple(translations)) for headword, translations in found.items() if translations)
 
 
 def first_sense(entry: str) -> str:
@@ -149,12 +167,20 @@ _TOKEN = re.compile(r"\w+(?:[-'’]\w+)*|[^\w\s]")
 
 def word_by_word(sentence: str, words: dict[str, str]) -> str:
     """Each word replaced by its dictionary translation (as written, else lower-cased), unknown
-    words and punctuation copied."""
-    out = []
-    for token in _TOKEN.findall(sentence):
+    words and punctuation copied. Where `words` also holds phrases (lower case, `phrases`), the
+    longest phrase that starts at a word is translated whole."""
+    tokens, out, at = _TOKEN.findall(sentence), [], 0
+    while at < len(tokens):
+        token, span = tokens[at], 1
         translated = words.get(token) or words.get(token.lower()) or token
+        for size in range(min(PHRASE_WORDS, len(tokens) - at), 1, -1):
+            phrase = words.get(" ".join(tokens[at : at + size]).lower())
+            if phrase:
+                translated, span = phrase, size
+                break
         if out and not token[0].isalnum() and token not in "(„“\"'":
             out[-1] += translated
         else:
             out.append(translated)
+        at += span
     return " ".join(out)

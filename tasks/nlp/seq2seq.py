@@ -77,7 +77,9 @@ class Seq2SeqData:
         require(0 <= self.label_smoothing < 1, "data.label_smoothing", self.label_smoothing, "must be in [0, 1)")
         require(self.max_len_a >= 0, "data.max_len_a", self.max_len_a, "must not be negative")
         require(self.max_len_b >= 0, "data.max_len_b", self.max_len_b, "must not be negative")
-        require(not self.copy or self.shared_vocab, "data.copy", self.copy, "copies source pieces: needs data.shared_vocab")
+        require(
+            not self.copy or self.shared_vocab, "data.copy", self.copy, "copies source pieces: needs data.shared_vocab"
+        )
 
 
 def preset(task: str, name: str, model: ModelConfig, data: Seq2SeqData, steps: int, batch_size: int, lr: float):

@@ -7,7 +7,9 @@ signatures are written beside the scores) for greedy and beam decoding; the base
 word by word with the same dictionary's headwords (`freedict.word_by_word`), each headword's
 sense chosen by the training targets' word counts, unknown words copied. With other data (or
 `data.direction=reverse`), the baseline copies the source. With `data.glossary` (the base
-preset), the model's encoder reads each source followed by that same gloss.
+preset), the model's encoder reads each source followed by that same gloss ("words"), or by a
+gloss that also translates the dictionary's phrase headwords whole ("phrases"; reported as a
+second baseline), and its pointer-generator output may copy from it (`data.copy`).
 """
 
 from __future__ import annotations
@@ -15,29 +17,31 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import sacrebleu
 
 from core.config import modern_blocks, require
 from tasks.nlp import freedict
-from tasks.nlp.seq2seq import Seq2SeqData, Seq2SeqTask, preset
+from tasks.nlp.seq2seq import Seq2SeqData, Seq2SeqTask, normalized, preset
 
 MAX_WORDS = 24
 
 
 @dataclass(frozen=True, kw_only=True)
 class TranslateData(Seq2SeqData):
-    """`glossary`: the encoder reads each English source followed by " = " and its word-by-word
-    German gloss from the same dictionary (the baseline's, senses chosen on the training split),
-    so that the model learns to correct a gloss rather than recall each word's translation."""
+    """`glossary`: the encoder reads each English source followed by " = " and its German gloss
+    from the same dictionary: "words", the baseline's word by word (senses chosen on the training
+    split); "phrases", the longest headword phrase of up to `freedict.PHRASE_WORDS` words
+    translated whole where there is one (no phrase that is a valid or test source). The model
+    then learns to correct a gloss rather than recall each word's translation."""
 
-    glossary: bool = False
+    glossary: Literal["off", "words", "phrases"] = "off"
 
     def __post_init__(self):
         super().__post_init__()
         require(
-            not self.glossary or self.direction == "forward",
+            self.glossary == "off" or self.direction == "forward",
             "data.glossary",
             self.glossary,
             "glosses English sources with the English-German dictionary: needs data.direction=forward",
@@ -45,17 +49,20 @@ class TranslateData(Seq2SeqData):
 
 
 def tiny():
-    return preset("translate", "tiny", modern_blocks(32, 1, 2, 64, 32, 0.0), TranslateData(vocab_size=300), 20, 16, 3e-3)
+    return preset(
+        "translate", "tiny", modern_blocks(32, 1, 2, 64, 32, 0.0), TranslateData(vocab_size=300), 20, 16, 3e-3
+    )
 
 
 def base():
-    # Sized for about 13 minutes of training on 2 CPU cores: some 2 epochs. Sources of up to 24
-    # words with their glosses fit 80 pieces, which the output may copy (a pointer-generator).
+    # Sized for 9 to 13 minutes of training on 2 CPU cores (9 min 10 s on the AMD machine of
+    # 2026-12-02): some 1.8 epochs. Sources of up to 24 words with their glosses fit 80 pieces,
+    # which the output may copy (a pointer-generator).
     return preset(
         "translate",
         "base",
         modern_blocks(256, 2, 4, 704, 80, 0.1),
-        TranslateData(vocab_size=6000, source_len=80, target_len=40, glossary=True, copy=True),
+        TranslateData(vocab_size=6000, source_len=80, target_len=40, glossary="phrases", copy=True),
         steps=1400,
         batch_size=64,
         lr=2e-3,
@@ -96,9 +103,13 @@ class TranslateTask(Seq2SeqTask):
         return dictionary_pairs()
 
     def glossary(self, train: Sequence[dict]) -> dict[str, str] | None:
-        if not self.config.data.glossary:
+        if self.config.data.glossary == "off":
             return None
-        return freedict.choose_senses(freedict.senses(), [e["target"] for e in train])
+        words = freedict.choose_senses(freedict.senses(), [e["target"] for e in train])
+        if self.config.data.glossary == "words":
+            return words
+        held_out = {normalized(e["source"]) for split in ("valid", "test") for e in self.examples(split)}
+        return words | {key: german for key, german in freedict.phrases().items() if key not in held_out}
 
     def protocol(self) -> dict[str, str]:
         limit = f"1 to {MAX_WORDS} words a side, " if self.data is None else ""
@@ -106,7 +117,11 @@ class TranslateTask(Seq2SeqTask):
             "dataset": self.data or self.default_data,
             "protocol": f"{limit}one pair per normalized source, split 90/5/5 by a hash of the source; "
             "greedy and beam decoding; sacrebleu BLEU and chrF (13a tokenization)"
-            + ("; the encoder reads each source with its word-by-word dictionary gloss" if self.config.data.glossary else ""),
+            + (
+                f"; the encoder reads each source with its dictionary gloss ({self.config.data.glossary})"
+                if self.config.data.glossary != "off"
+                else ""
+            ),
         }
 
     def score_generated(self, generated, examples, featurizer) -> dict:
@@ -115,6 +130,10 @@ class TranslateTask(Seq2SeqTask):
     def baselines(self, train, test, featurizer) -> dict[str, dict]:
         sources, references = [e["source"] for e in test], [e["target"] for e in test]
         if self.data is None and self.config.data.direction == "forward":
-            words = featurizer.glossary or freedict.choose_senses(freedict.senses(), [e["target"] for e in train])
-            return {"dictionary": translation_scores([freedict.word_by_word(s, words) for s in sources], references)}
+            words = freedict.choose_senses(freedict.senses(), [e["target"] for e in train])
+            found = {"dictionary": translation_scores([freedict.word_by_word(s, words) for s in sources], references)}
+            if self.config.data.glossary == "phrases":
+                glosses = [freedict.word_by_word(s, featurizer.glossary) for s in sources]
+                found["phrase dictionary"] = translation_scores(glosses, references)
+            return found
         return {"copy_source": translation_scores(sources, references)}
