@@ -119,8 +119,12 @@ class CopyOutput(nnx.Module):
         scores = jnp.einsum("BTD,BSD->BTS", self.query(hidden), source.keys).astype(jnp.float32)
         scores = jnp.where(source.mask[:, None, :], scores * hidden.shape[-1] ** -0.5, -1e9)
         attention = jax.nn.softmax(scores, axis=-1)
-        # Attention on each source position, summed per vocabulary id: [B, T, S] x [B, S, V].
-        copied = jnp.einsum("BTS,BSV->BTV", attention, jax.nn.one_hot(source.tokens, table.shape[0]))
+        # Attention on each source position, summed per vocabulary id: a scatter-add of S columns
+        # per row, not a product with a [B, S, V] one-hot (which a decode step would rebuild).
+        vocabulary = table.shape[0]
+        copied = jax.vmap(lambda weights, ids: jnp.zeros((weights.shape[0], vocabulary)).at[:, ids].add(weights))(
+            attention, source.tokens
+        )
         gate = self.gate(hidden).astype(jnp.float32)
         # log(g p + (1 - g) c); c is 0 for ids not in the source, whose log is then floored.
         return jnp.logaddexp(
