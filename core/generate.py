@@ -35,7 +35,7 @@ from jax.experimental import io_callback
 
 from core.beam import Beams, beam_search
 from core.errors import UserError
-from core.heads import Projection
+from core.heads import CopyProjection, Projection
 from core.transformer import Cache, Model
 
 State = Any
@@ -190,9 +190,9 @@ def logits_of(model: Model, hidden: jax.Array) -> jax.Array:
 
 
 def step_logits(outputs: jax.Array | Projection) -> jax.Array:
-    """A head's outputs at one position per row ([B, 1, V], or a `Projection`) -> logits [B, V]
-    in float32."""
-    if isinstance(outputs, Projection):
+    """A head's outputs at one position per row ([B, 1, V], a `Projection` or a
+    `CopyProjection`) -> logits [B, V] in float32."""
+    if isinstance(outputs, (Projection, CopyProjection)):
         outputs = outputs.logits()
     return outputs[:, 0].astype(jnp.float32)
 

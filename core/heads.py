@@ -92,9 +92,41 @@ class Source(NamedTuple):
     tokens: jax.Array
 
 
+class CopyProjection(NamedTuple):
+    """A `CopyOutput`'s parts, not yet mixed over the vocabulary: the decoder states [B, T, D],
+    the output table [V, D], the gate's logits [B, T], the copy attention [B, T, S] and the
+    source's token ids [B, S] and mask [B, S].
+
+    Its loss (`losses.copy_cross_entropy`) needs only the targets' probabilities and never forms
+    the mixed [B, T, V] distribution; decoding asks for `logits()`, the mixture's
+    log-probabilities (a softmax gives them back unchanged).
+    """
+
+    hidden: jax.Array
+    weight: jax.Array
+    gate: jax.Array
+    attention: jax.Array
+    tokens: jax.Array
+    mask: jax.Array
+
+    def logits(self) -> jax.Array:
+        generated = jax.nn.log_softmax(Projection(self.hidden, self.weight).logits(), axis=-1)
+        # Attention on each source position, summed per vocabulary id: a scatter-add of S columns
+        # per row, not a product with a [B, S, V] one-hot (which a decode step would rebuild).
+        vocabulary = self.weight.shape[0]
+        copied = jax.vmap(lambda weights, ids: jnp.zeros((weights.shape[0], vocabulary)).at[:, ids].add(weights))(
+            self.attention, self.tokens
+        )
+        gate = self.gate[..., None]
+        # log(g p + (1 - g) c); c is 0 for ids not in the source, whose log is then floored.
+        return jnp.logaddexp(
+            jax.nn.log_sigmoid(gate) + generated, jax.nn.log_sigmoid(-gate) + jnp.log(jnp.maximum(copied, 1e-30))
+        )
+
+
 class CopyOutput(nnx.Module):
     """A pointer-generator output (See et al. 2017, "Get to the point") over a vocabulary that
-    source and target share: -> log-probabilities [B, T, V].
+    source and target share: -> `CopyProjection`.
 
     At each target position a gate g = sigmoid(w . h + b) mixes the tied output's softmax with a
     copy distribution: one attention head from the decoder state over the memory, whose weights
@@ -113,20 +145,14 @@ class CopyOutput(nnx.Module):
         """The source as this head reads it; computed once per source when decoding."""
         return Source(self.key(memory), mask, tokens)
 
-    def __call__(self, hidden: jax.Array, mask: jax.Array, source: Source) -> jax.Array:
-        table = self.embedder.embedding.embedding[...]
-        generated = jax.nn.log_softmax(Projection(hidden, table).logits(), axis=-1)
+    def __call__(self, hidden: jax.Array, mask: jax.Array, source: Source) -> CopyProjection:
         scores = jnp.einsum("BTD,BSD->BTS", self.query(hidden), source.keys).astype(jnp.float32)
         scores = jnp.where(source.mask[:, None, :], scores * hidden.shape[-1] ** -0.5, -1e9)
-        attention = jax.nn.softmax(scores, axis=-1)
-        # Attention on each source position, summed per vocabulary id: a scatter-add of S columns
-        # per row, not a product with a [B, S, V] one-hot (which a decode step would rebuild).
-        vocabulary = table.shape[0]
-        copied = jax.vmap(lambda weights, ids: jnp.zeros((weights.shape[0], vocabulary)).at[:, ids].add(weights))(
-            attention, source.tokens
-        )
-        gate = self.gate(hidden).astype(jnp.float32)
-        # log(g p + (1 - g) c); c is 0 for ids not in the source, whose log is then floored.
-        return jnp.logaddexp(
-            jax.nn.log_sigmoid(gate) + generated, jax.nn.log_sigmoid(-gate) + jnp.log(jnp.maximum(copied, 1e-30))
+        return CopyProjection(
+            hidden,
+            self.embedder.embedding.embedding[...],
+            self.gate(hidden)[..., 0].astype(jnp.float32),
+            jax.nn.softmax(scores, axis=-1),
+            source.tokens,
+            source.mask,
         )

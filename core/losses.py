@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from core.heads import CopyProjection
+
 
 def cross_entropy(
     logits: jax.Array, targets: jax.Array, weights: jax.Array, label_smoothing: float = 0.0
@@ -51,6 +53,46 @@ def linear_cross_entropy(
     chunk = min(chunk, flat_hidden.shape[0])
     total = _fused_ce(flat_hidden, weight, flat_targets, flat_weights, float(label_smoothing), chunk)
     return total, flat_weights.sum()
+
+
+def copy_cross_entropy(
+    outputs: CopyProjection, targets: jax.Array, weights: jax.Array, label_smoothing: float = 0.0
+) -> tuple[jax.Array, jax.Array]:
+    """`cross_entropy(outputs.logits(), targets, weights, label_smoothing)` of a pointer-generator
+    (`core.heads.CopyProjection`) without mixing its [B, T, V] distribution.
+
+    P(w) = g Pgen(w) + (1 - g) C(w), where C(w) is the copy attention on the source positions
+    holding w. The label's term needs P(y) alone. The smoothing term, the mean of -log P(w) over
+    the vocabulary, is -log(g Pgen(w)) summed over all of it (a sum of logits) except at the
+    source's distinct tokens, which take their mixed term instead: [B, T, S] work beside the
+    [B, T, V] logits.
+    """
+    logits = outputs.hidden.astype(jnp.float32) @ outputs.weight.astype(jnp.float32).T  # [B, T, V]
+    V = logits.shape[-1]
+    lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+    log_gen, log_copy = jax.nn.log_sigmoid(outputs.gate)[..., None], jax.nn.log_sigmoid(-outputs.gate)[..., None]
+
+    def mixed(ids: jax.Array, copied: jax.Array) -> jax.Array:
+        """log P of `ids` [B, T, K] whose copy mass is `copied` [B, T, K]."""
+        generated = jnp.take_along_axis(logits, ids, axis=-1) - lse
+        return jnp.logaddexp(log_gen + generated, log_copy + jnp.log(jnp.maximum(copied, 1e-30)))
+
+    tokens, real = outputs.tokens, outputs.mask
+    on_target = (tokens[:, None, :] == targets[..., None]) & real[:, None, :]  # [B, T, S]
+    copied = (outputs.attention * on_target).sum(-1, keepdims=True)
+    losses = -mixed(targets[..., None], copied)[..., 0]
+    if label_smoothing:
+        same = (tokens[:, :, None] == tokens[:, None, :]) & real[:, None, :] & real[:, :, None]  # [B, S, S]
+        # Each distinct source token once: at its first real position.
+        first = real & ~jnp.any(jnp.tril(same, k=-1), axis=-1)
+        at_source = jnp.broadcast_to(tokens[:, None, :], outputs.attention.shape)
+        source_copied = jnp.einsum("BTS,BRS->BTR", outputs.attention, same.astype(jnp.float32))
+        generated_only = log_gen + jnp.take_along_axis(logits, at_source, axis=-1) - lse
+        correction = ((generated_only - mixed(at_source, source_copied)) * first[:, None, :]).sum(-1)
+        everything = -(V * log_gen[..., 0] + logits.sum(-1) - V * lse[..., 0])
+        losses = (1 - label_smoothing) * losses + label_smoothing * (everything + correction) / V
+    weights = weights.astype(jnp.float32)
+    return (losses * weights).sum(), weights.sum()
 
 
 def _chunks(x: jax.Array, chunk: int) -> jax.Array:

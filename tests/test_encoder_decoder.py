@@ -26,7 +26,7 @@ from core.encoder_decoder import (
     prepare_sources,
 )
 from core.errors import UserError
-from core.heads import CopyOutput, Projection, TiedOutput, TokenEmbedder
+from core.heads import CopyOutput, CopyProjection, TiedOutput, TokenEmbedder
 from core.task import Task
 from core.train import build_model
 from core.transformer import Transformer
@@ -53,18 +53,17 @@ def model():
 
 @nnx.jit
 def forward(model, batch):
-    outputs = model(batch)
-    return outputs.logits() if isinstance(outputs, Projection) else outputs
+    return model(batch).logits()
 
 
 def mean_cross_entropy(outputs, batch):
     """Either head's cross-entropy per scored target."""
-    if isinstance(outputs, Projection):
+    if isinstance(outputs, CopyProjection):
+        total, weight = losses.copy_cross_entropy(outputs, batch["targets"], batch["target_mask"])
+    else:
         total, weight = losses.linear_cross_entropy(
             outputs.hidden, outputs.weight, batch["targets"], batch["target_mask"]
         )
-    else:
-        total, weight = losses.cross_entropy(outputs, batch["targets"], batch["target_mask"])
     return total / weight
 
 

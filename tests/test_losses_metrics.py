@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from core import losses, metrics
+from core.heads import CopyProjection
 
 
 def test_cross_entropy_by_hand():
@@ -41,6 +42,36 @@ def test_linear_cross_entropy_matches_plain_form_and_gradients(chunk, smoothing)
 
     np.testing.assert_allclose(fused(hidden, weight), plain(hidden, weight), rtol=1e-5)
     for a, b in zip(jax.grad(fused, (0, 1))(hidden, weight), jax.grad(plain, (0, 1))(hidden, weight)):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_copy_cross_entropy_matches_the_mixed_distribution_and_gradients(smoothing):
+    rng = np.random.default_rng(1)
+    B, T, S, V, D = 3, 5, 6, 20, 8
+    # Repeated source tokens; masked positions hold real ids (an id also found in the source).
+    tokens = jnp.asarray([[4, 7, 4, 4, 9, 2], [3, 3, 11, 5, 7, 7], [6, 1, 12, 13, 14, 6]])
+    mask = jnp.asarray([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0], [1, 1, 1, 0, 0, 0]], bool)
+    targets = jnp.asarray([[4, 9, 0, 7, 4], [3, 7, 11, 5, 19], [12, 6, 13, 1, 1]])
+    weights = jnp.asarray(rng.random((B, T)) > 0.2)
+    hidden = jnp.asarray(rng.standard_normal((B, T, D), np.float32))
+    weight = jnp.asarray(rng.standard_normal((V, D), np.float32))
+    gate = jnp.asarray(rng.standard_normal((B, T), np.float32))
+    scores = jnp.asarray(rng.standard_normal((B, T, S), np.float32))
+
+    def parts(h, w, g, a):
+        attention = jax.nn.softmax(jnp.where(mask[:, None, :], a, -1e9), axis=-1)
+        return CopyProjection(h, w, g, attention, tokens, mask)
+
+    def plain(*args):
+        return losses.cross_entropy(parts(*args).logits(), targets, weights, smoothing)[0]
+
+    def direct(*args):
+        return losses.copy_cross_entropy(parts(*args), targets, weights, smoothing)[0]
+
+    args = (hidden, weight, gate, scores)
+    np.testing.assert_allclose(direct(*args), plain(*args), rtol=1e-5)
+    for a, b in zip(jax.grad(direct, (0, 1, 2, 3))(*args), jax.grad(plain, (0, 1, 2, 3))(*args)):
         np.testing.assert_allclose(a, b, atol=1e-5)
 
 

@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-import jax
 import numpy as np
 from flax import nnx
 
@@ -40,7 +39,7 @@ from core.config import Config, ModelConfig, OptimConfig, TrainConfig, require
 from core.data import bucket_width
 from core.encoder_decoder import EncoderDecoder, generate_beams_from_source, generate_from_source
 from core.errors import UserError
-from core.heads import CopyOutput, Projection, TiedOutput, TokenEmbedder
+from core.heads import CopyOutput, CopyProjection, Projection, TiedOutput, TokenEmbedder
 from core.task import PredictOption, Task
 from tasks.nlp import data as text_data
 from tasks.nlp.freedict import word_by_word
@@ -318,17 +317,16 @@ class Seq2SeqTask(Task):
         head = CopyOutput(target, d_model, rngs=rngs) if config.data.copy else TiedOutput(target)
         return EncoderDecoder.build(config.model, source, target, head, remat=config.train.remat, rngs=rngs)
 
-    def loss(self, outputs: Projection | jax.Array, batch: dict):
+    def loss(self, outputs: Projection | CopyProjection, batch: dict):
         return _cross_entropy(outputs, batch, self.config.data.label_smoothing)
 
-    def metrics(self, outputs: Projection | jax.Array, batch: dict):
-        logits = outputs.logits() if isinstance(outputs, Projection) else outputs
+    def metrics(self, outputs: Projection | CopyProjection, batch: dict):
         return {
             "nll": _cross_entropy(outputs, batch),
-            "token_accuracy": metric_lib.accuracy(logits, batch["targets"], _scored(batch)),
+            "token_accuracy": metric_lib.accuracy(outputs.logits(), batch["targets"], _scored(batch)),
         }
 
-    def decode(self, outputs: Projection | jax.Array, batch: dict) -> dict:
+    def decode(self, outputs: Projection | CopyProjection, batch: dict) -> dict:
         return {}  # the text is generated (`generate`), not read off the teacher-forced pass
 
     def score(self, predictions, examples, featurizer) -> dict[str, float]:
@@ -379,14 +377,14 @@ class Seq2SeqTask(Task):
         return [{"source": e["source"], self.output_name: text} for e, text in zip(examples, predictions["text"])]
 
 
-def _cross_entropy(outputs: Projection | jax.Array, batch: dict, label_smoothing: float = 0.0):
-    """Cross-entropy of the scored targets: through the tied projection without forming its
-    logits, or of a copying head's log-probabilities [B, T, V] (their log-softmax is themselves)."""
-    if isinstance(outputs, Projection):
-        return losses.linear_cross_entropy(
-            outputs.hidden, outputs.weight, batch["targets"], _scored(batch), label_smoothing
-        )
-    return losses.cross_entropy(outputs, batch["targets"], _scored(batch), label_smoothing)
+def _cross_entropy(outputs: Projection | CopyProjection, batch: dict, label_smoothing: float = 0.0):
+    """Cross-entropy of the scored targets, through the tied projection or the copying head's
+    parts, without forming the [B, T, V] distribution."""
+    if isinstance(outputs, CopyProjection):
+        return losses.copy_cross_entropy(outputs, batch["targets"], _scored(batch), label_smoothing)
+    return losses.linear_cross_entropy(
+        outputs.hidden, outputs.weight, batch["targets"], _scored(batch), label_smoothing
+    )
 
 
 def _scored(batch: dict):
