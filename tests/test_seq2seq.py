@@ -10,6 +10,7 @@ import re
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from typer.testing import CliRunner
 
 import tasks
@@ -17,12 +18,16 @@ from cli import app
 from core import run
 from core.beam import beam_search, gnmt_penalty
 from core.errors import UserError
+from core.task import read_predict_options
 from core.train import build_model
 from tasks.nlp import freedict, seq2seq
-from tasks.nlp.seq2seq import Seq2SeqFeaturizer, read_pairs, split_pairs
+from tasks.nlp.seq2seq import Seq2SeqFeaturizer, Seq2SeqTask, minimum_bayes_risk, read_pairs, split_pairs
 from tasks.nlp.summarize import rouge_scores
 from tasks.nlp.tokenizer import BOS, EOS, PAD, Tokenizer
 from tasks.nlp.translate import translation_scores
+
+# `apps predict`'s defaults: greedy (beams 1 below), no sampling, no MBR.
+DECODING = read_predict_options(Seq2SeqTask.predict_options, {}, "translate")
 
 runner = CliRunner()
 
@@ -215,7 +220,7 @@ def test_padding_and_batching_change_no_output(name, copy):
     model = build_model(task, featurizer, task.config)
     examples = task.examples("test")[:20]
     for beams in (1, 3):
-        options = {"beams": beams, "length_penalty": 0.6, "temperature": 0.0, "seed": 0}
+        options = {**DECODING, "beams": beams}
         together = task.generate(model, featurizer, examples, options)["text"]
         alone = [task.generate(model, featurizer, [e], options)["text"][0] for e in examples[:4]]
         assert together[:4] == alone and all(isinstance(text, str) for text in together)
@@ -271,7 +276,7 @@ def test_decoding_limits_follow_the_source(monkeypatch):
         return original(model, sources, **settings)
 
     monkeypatch.setattr(seq2seq, "generate_from_source", spy)
-    options = {"beams": 1, "length_penalty": 0.6, "temperature": 0.0, "seed": 0}
+    options = {**DECODING, "beams": 1}
     task.generate(model, featurizer, [{"source": "red cat", "target": ""}], options)
     data = task.config.data
     assert seen == [(8, min(data.target_len, int(data.max_len_a * 8) + data.max_len_b))]
@@ -306,6 +311,38 @@ def test_predict_translates_arguments_and_stdin(translate_run):
     assert result.exit_code == 1 and "--beams 0: must be at least 1" in result.output
 
 
+def test_minimum_bayes_risk_by_hand():
+    samples = [("der Hund", "der Hund", "die Katze"), ("ein Haus", "eine Maus")]
+    candidates = [("die Katze", "das Haus", "der Hund"), ("das Haus", "einHaus", "ein Haus")]
+    # Source 1: "der Hund" matches two of three samples exactly (chrF 100 each) and wins.
+    # Source 2: chrF ignores spaces, so "einHaus" and "ein Haus" tie above "das Haus": the
+    # earlier of the two wins.
+    assert minimum_bayes_risk(candidates, samples) == ["der Hund", "einHaus"]
+
+
+def test_mbr_chooses_among_greedy_beam_and_samples(translate_run):
+    texts = ["red cat", "big dog runs", "small house tree"]
+    loaded = run.load(tasks.get("translate"), translate_run)
+    task, featurizer = loaded.task, loaded.featurizer
+    model = nnx.merge(loaded.steps.graphdef, loaded.params)
+    examples = task.parse_inputs(texts, DECODING)
+    decoded = [
+        task.generate(model, featurizer, examples, {**DECODING, **settings})["text"]
+        for settings in [{"beams": 1}, {"beams": 2}]
+        + [{"beams": 1, "temperature": 0.7, "seed": seed} for seed in (3, 4, 5)]
+    ]
+    chosen = task.generate(model, featurizer, examples, {**DECODING, "beams": 2, "mbr": 3, "seed": 3})["text"]
+    assert chosen == minimum_bayes_risk(list(zip(*decoded)), list(zip(*decoded[2:])))
+    rows = run.predict(tasks.get("translate"), translate_run, texts, {"--beams": "2", "--mbr": "3", "--seed": "3"})
+    assert [row["translation"] for row in rows] == chosen
+    for flags, message in [
+        (("--mbr", "-1"), "--mbr -1: must be at least 0"),
+        (("--mbr", "2", "--mbr-temperature", "0"), "--mbr-temperature 0.0: must be positive"),
+    ]:
+        result = apps("predict", "translate", "--workdir", translate_run, *flags, "red cat")
+        assert result.exit_code == 1 and message in result.output and "Traceback" not in result.output
+
+
 def test_a_missing_default_dictionary_is_one_clear_message(tmp_path, monkeypatch):
     monkeypatch.setattr(freedict, "DICTIONARY", tmp_path / "freedict-eng-deu.dict.dz")
     result = apps("train", "translate", "--preset", "tiny", "--workdir", tmp_path / "run")
@@ -328,7 +365,6 @@ def test_a_glossary_puts_the_gloss_after_the_source_and_travels_with_the_featuri
 
 
 def test_a_glossary_needs_english_sources():
-    from core.errors import UserError
     from tasks.nlp.translate import TranslateData
 
     with pytest.raises(UserError, match="data.glossary='words' glosses English sources"):
