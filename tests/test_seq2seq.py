@@ -124,6 +124,28 @@ def test_senses_of_a_toy_dictionary_and_the_choice_by_counts(toy_dictionary):
     assert freedict.choose_senses(senses, [])["dog"] == "Bandhaken"
 
 
+def test_learned_words_choose_senses_and_fill_gaps_from_the_pairs():
+    senses = {"the": ("das", "der"), "dog": ("Bandhaken", "Hund"), "bark": ("Rinde", "bellen")}
+    pairs = [
+        ("the dog barks", "der Hund bellt"),
+        ("the dog", "der Hund"),
+        ("the house", "das Haus"),
+        ("a house", "ein Haus"),
+        ("the bark", "die Rinde"),
+    ]
+    words = freedict.learned_words(senses, pairs)
+    # "the" shares 2 pairs with "der" and 1 with "das"; target counts alone would agree (der 2,
+    # das 1), but "dog": "Hund" shares 2 pairs, "Bandhaken" none.
+    assert words["the"] == "der" and words["dog"] == "Hund"
+    # "bark" (a headword) shares one pair with "Rinde" and none with "bellen".
+    assert words["bark"] == "Rinde"
+    # "house" has no entry: Dice picks "Haus" (2 * 2 / (2 + 2)) over "das" (2 * 1 / (2 + 1)), and
+    # they share 2 pairs. "barks" and "a" share one pair with their best words: left out.
+    assert words["house"] == "Haus" and "barks" not in words and "a" not in words
+    # One shared pair is enough with least=1: "bellt" (2 * 1 / (1 + 1)) beats "Hund" (2 / (1 + 2)).
+    assert freedict.Cooccurrence(pairs).associate("barks", least=1) == "bellt"
+
+
 def test_word_by_word_copies_unknown_words_and_punctuation():
     words = {"the": "der", "dog": "Hund", "with": "mit"}
     assert freedict.word_by_word("The dog, with Rex!", words) == "der Hund, mit Rex!"

@@ -24,6 +24,8 @@ from __future__ import annotations
 import functools
 import gzip
 import re
+from collections import Counter, defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 
 from core.errors import UserError
@@ -163,6 +165,55 @@ def choose_senses(candidates: dict[str, tuple[str, ...]], german: list[str]) -> 
 
 
 _TOKEN = re.compile(r"\w+(?:[-'’]\w+)*|[^\w\s]")
+
+
+class Cooccurrence:
+    """How often each English word (lower case) and each German word appear in one pair of a
+    training split, together and alone: what a learned glossary chooses senses and fills the
+    dictionary's gaps by."""
+
+    def __init__(self, pairs: Sequence[tuple[str, str]]):
+        self.together: dict[str, Counter] = defaultdict(Counter)
+        self.english, self.german = Counter(), Counter()
+        for english, german in pairs:
+            source = {token.lower() for token in _TOKEN.findall(english)}
+            target = set(_TOKEN.findall(german))
+            self.english.update(source)
+            self.german.update(target)
+            for word in source:
+                self.together[word].update(target)
+
+    def sense(self, word: str, translations: Sequence[str]) -> str | None:
+        """The translation whose rarest word appears most often in pairs with `word`, the first
+        on a tie; None when no translation's words all do."""
+        seen = self.together.get(word.lower(), {})
+        counts = [min(seen.get(token, 0) for token in _TOKEN.findall(t) or [""]) for t in translations]
+        return translations[counts.index(max(counts))] if max(counts) > 0 else None
+
+    def associate(self, word: str, least: int = 2) -> str | None:
+        """The German word most associated with `word` (Dice: twice the pairs with both over the
+        pairs with either), if they share at least `least` pairs."""
+        seen = self.together.get(word, {})
+        if not seen:
+            return None
+        german, both = max(seen.items(), key=lambda item: item[1] / (self.english[word] + self.german[item[0]]))
+        return german if both >= least else None
+
+
+def learned_words(candidates: dict[str, tuple[str, ...]], pairs: Sequence[tuple[str, str]]) -> dict[str, str]:
+    """`choose_senses` informed by the training pairs: each headword's sense is the one whose
+    words appear most often in pairs with the headword (`Cooccurrence.sense`; by the targets'
+    word counts where none does), and an English word of the pairs without an entry is
+    translated by its most associated German word (`Cooccurrence.associate`)."""
+    counts = Cooccurrence(pairs)
+    words = choose_senses(candidates, [german for _, german in pairs])
+    for headword, translations in candidates.items():
+        words[headword] = counts.sense(headword, translations) or words[headword]
+    known = {headword.lower() for headword in candidates}
+    for word in counts.english:
+        if word[0].isalpha() and word not in known and (german := counts.associate(word)):
+            words[word] = german
+    return words
 
 
 def word_by_word(sentence: str, words: dict[str, str]) -> str:

@@ -3,13 +3,13 @@
 Default data: the usage examples of Debian's `dict-freedict-eng-deu` (see `tasks.nlp.freedict`),
 pairs of 1 to `MAX_WORDS` words a side, deduplicated and split on the source side (see
 `tasks.nlp.seq2seq`). Metrics: BLEU and chrF by sacrebleu (its default 13a tokenization; the
-signatures are written beside the scores) for greedy and beam decoding; the baseline translates
-word by word with the same dictionary's headwords (`freedict.word_by_word`), each headword's
-sense chosen by the training targets' word counts, unknown words copied. With other data (or
-`data.direction=reverse`), the baseline copies the source. With `data.glossary` (the base
-preset), the model's encoder reads each source followed by that same gloss ("words"), or by a
-gloss that also translates the dictionary's phrase headwords whole ("phrases"; reported as a
-second baseline), and its pointer-generator output may copy from it (`data.copy`).
+signatures are written beside the scores) for greedy, beam and minimum-Bayes-risk decoding; the
+baseline translates word by word with the same dictionary's headwords (`freedict.word_by_word`),
+each headword's sense chosen by the training targets' word counts, unknown words copied. With
+other data (or `data.direction=reverse`), the baseline copies the source. With `data.glossary`
+(the base preset), the model's encoder reads each source followed by that same gloss ("words"),
+or by a richer one ("phrases", "learned"; reported as a second baseline, "gloss"), and its
+pointer-generator output may copy from it (`data.copy`).
 """
 
 from __future__ import annotations
@@ -33,10 +33,12 @@ class TranslateData(Seq2SeqData):
     """`glossary`: the encoder reads each English source followed by " = " and its German gloss
     from the same dictionary: "words", the baseline's word by word (senses chosen on the training
     split); "phrases", the longest headword phrase of up to `freedict.PHRASE_WORDS` words
-    translated whole where there is one (no phrase that is a valid or test source). The model
+    translated whole where there is one (no phrase that is a valid or test source); "learned",
+    phrases with each word's sense chosen by the training pairs and words without an entry
+    translated by their most associated German word there (`freedict.learned_words`). The model
     then learns to correct a gloss rather than recall each word's translation."""
 
-    glossary: Literal["off", "words", "phrases"] = "off"
+    glossary: Literal["off", "words", "phrases", "learned"] = "off"
 
     def __post_init__(self):
         super().__post_init__()
@@ -62,7 +64,7 @@ def base():
         "translate",
         "base",
         modern_blocks(256, 2, 4, 704, 80, 0.0),
-        TranslateData(vocab_size=6000, source_len=80, target_len=40, glossary="phrases", copy=True),
+        TranslateData(vocab_size=6000, source_len=80, target_len=40, glossary="learned", copy=True),
         steps=1800,
         batch_size=64,
         lr=2e-3,
@@ -110,7 +112,10 @@ class TranslateTask(Seq2SeqTask):
     def glossary(self, train: Sequence[dict]) -> dict[str, str] | None:
         if self.config.data.glossary == "off":
             return None
-        words = freedict.choose_senses(freedict.senses(), [e["target"] for e in train])
+        if self.config.data.glossary == "learned":
+            words = freedict.learned_words(freedict.senses(), [(e["source"], e["target"]) for e in train])
+        else:
+            words = freedict.choose_senses(freedict.senses(), [e["target"] for e in train])
         if self.config.data.glossary == "words":
             return words
         held_out = {normalized(e["source"]) for split in ("valid", "test") for e in self.examples(split)}
@@ -121,7 +126,7 @@ class TranslateTask(Seq2SeqTask):
         return {
             "dataset": self.data or self.default_data,
             "protocol": f"{limit}one pair per normalized source, split 90/5/5 by a hash of the source; "
-            "greedy and beam decoding; sacrebleu BLEU and chrF (13a tokenization)"
+            "greedy, beam and minimum-Bayes-risk (chrF) decoding; sacrebleu BLEU and chrF (13a tokenization)"
             + (
                 f"; the encoder reads each source with its dictionary gloss ({self.config.data.glossary})"
                 if self.config.data.glossary != "off"
@@ -137,8 +142,8 @@ class TranslateTask(Seq2SeqTask):
         if self.data is None and self.config.data.direction == "forward":
             words = freedict.choose_senses(freedict.senses(), [e["target"] for e in train])
             found = {"dictionary": translation_scores([freedict.word_by_word(s, words) for s in sources], references)}
-            if self.config.data.glossary == "phrases":
+            if self.config.data.glossary in ("phrases", "learned"):
                 glosses = [freedict.word_by_word(s, featurizer.glossary) for s in sources]
-                found["phrase dictionary"] = translation_scores(glosses, references)
+                found["gloss"] = translation_scores(glosses, references)
             return found
         return {"copy_source": translation_scores(sources, references)}
