@@ -57,8 +57,9 @@ def tiny():
 
 
 def base():
-    # Sized for 11 to 12 minutes of training on 2 CPU cores (11 min 28 s on the AMD machine of
-    # 2026-12-02): some 2.3 epochs, too few to overfit, so no dropout. Sources of up to 24 words
+    # Sized for 10 to 12 minutes of training on 2 CPU cores (9 min 52 s, and 11 min 28 s in a run
+    # of the same shape, on the AMD machine of 2026-12-02): some 2.3 epochs, too few to overfit,
+    # so no dropout (learning rate 3e-3 did worse). Sources of up to 24 words
     # with their glosses fit 80 pieces, which the output may copy (a pointer-generator).
     return preset(
         "translate",
