@@ -117,11 +117,15 @@ class CopyProjection(NamedTuple):
         copied = jax.vmap(lambda weights, ids: jnp.zeros((weights.shape[0], vocabulary)).at[:, ids].add(weights))(
             self.attention, self.tokens
         )
-        gate = self.gate[..., None]
-        # log(g p + (1 - g) c); c is 0 for ids not in the source, whose log is then floored.
-        return jnp.logaddexp(
-            jax.nn.log_sigmoid(gate) + generated, jax.nn.log_sigmoid(-gate) + jnp.log(jnp.maximum(copied, 1e-30))
-        )
+        return mix(self.gate[..., None], generated, copied)
+
+
+def mix(gate: jax.Array, generated: jax.Array, copied: jax.Array) -> jax.Array:
+    """log(g p + (1 - g) c) of a pointer-generator, from the gate's logits, log p and c (broadcast
+    together); c is 0 for ids not in the source, whose log is then floored."""
+    return jnp.logaddexp(
+        jax.nn.log_sigmoid(gate) + generated, jax.nn.log_sigmoid(-gate) + jnp.log(jnp.maximum(copied, 1e-30))
+    )
 
 
 class CopyOutput(nnx.Module):

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from core.heads import CopyProjection
+from core.heads import CopyProjection, mix
 
 
 def cross_entropy(
@@ -70,12 +70,11 @@ def copy_cross_entropy(
     logits = outputs.hidden.astype(jnp.float32) @ outputs.weight.astype(jnp.float32).T  # [B, T, V]
     V = logits.shape[-1]
     lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
-    log_gen, log_copy = jax.nn.log_sigmoid(outputs.gate)[..., None], jax.nn.log_sigmoid(-outputs.gate)[..., None]
+    gate, log_gen = outputs.gate[..., None], jax.nn.log_sigmoid(outputs.gate)[..., None]
 
     def mixed(ids: jax.Array, copied: jax.Array) -> jax.Array:
         """log P of `ids` [B, T, K] whose copy mass is `copied` [B, T, K]."""
-        generated = jnp.take_along_axis(logits, ids, axis=-1) - lse
-        return jnp.logaddexp(log_gen + generated, log_copy + jnp.log(jnp.maximum(copied, 1e-30)))
+        return mix(gate, jnp.take_along_axis(logits, ids, axis=-1) - lse, copied)
 
     tokens, real = outputs.tokens, outputs.mask
     on_target = (tokens[:, None, :] == targets[..., None]) & real[:, None, :]  # [B, T, S]

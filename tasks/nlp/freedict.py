@@ -25,7 +25,7 @@ import functools
 import gzip
 import re
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from core.errors import UserError
@@ -157,11 +157,15 @@ def choose_senses(candidates: dict[str, tuple[str, ...]], german: list[str]) -> 
     for text in german:
         for word in _TOKEN.findall(text):
             counts[word] = counts.get(word, 0) + 1
-    chosen = {}
-    for headword, translations in candidates.items():
-        frequency = [min(counts.get(word, 0) for word in _TOKEN.findall(t) or [""]) for t in translations]
-        chosen[headword] = translations[frequency.index(max(frequency))]
-    return chosen
+    return {headword: most_used(translations, counts)[0] for headword, translations in candidates.items()}
+
+
+def most_used(translations: Sequence[str], counts: Mapping[str, int]) -> tuple[str, int]:
+    """The translation whose rarest word has the highest count, the first on a tie, and that
+    count."""
+    rarest = [min(counts.get(word, 0) for word in _TOKEN.findall(t) or [""]) for t in translations]
+    best = rarest.index(max(rarest))
+    return translations[best], rarest[best]
 
 
 _TOKEN = re.compile(r"\w+(?:[-'’]\w+)*|[^\w\s]")
@@ -186,9 +190,8 @@ class Cooccurrence:
     def sense(self, word: str, translations: Sequence[str]) -> str | None:
         """The translation whose rarest word appears most often in pairs with `word`, the first
         on a tie; None when no translation's words all do."""
-        seen = self.together.get(word.lower(), {})
-        counts = [min(seen.get(token, 0) for token in _TOKEN.findall(t) or [""]) for t in translations]
-        return translations[counts.index(max(counts))] if max(counts) > 0 else None
+        translation, count = most_used(translations, self.together.get(word.lower(), {}))
+        return translation if count > 0 else None
 
     def associate(self, word: str, least: int = 2) -> str | None:
         """The German word most associated with `word` (Dice: twice the pairs with both over the
