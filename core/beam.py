@@ -7,9 +7,10 @@ to B * W rows once, and after every step each beam's state (its key/value cache)
 from its parent's. One `jax.lax.while_loop` runs to `max_new_tokens`, or until no live beam can
 still beat the worst of a row's W finished ones.
 
-A sequence scores log P(y) / ((5 + |y|) / 6) ** alpha (Wu et al., 2016, "Google's neural machine
-translation system"), |y| counting the new tokens and its stop token; alpha = 0 ranks by
-log-probability alone.
+A sequence scores (log P(y) + r |y|') / ((5 + |y|) / 6) ** alpha (Wu et al., 2016, "Google's
+neural machine translation system"), |y| counting the new tokens and its stop token, |y|' those
+that are not stop tokens, r the word reward; alpha = 0 ranks by log-probability alone. Repeated
+n-grams may be banned (`no_repeat_ngram`; see core/penalties.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from core import penalties
 from core.errors import UserError
 
 
@@ -44,6 +46,8 @@ def beam_search(
     max_new_tokens: int,
     stop_tokens: tuple[int, ...] = (),
     length_penalty: float = 0.6,
+    no_repeat_ngram: int = 0,
+    word_reward: float = 0.0,
 ) -> Beams:
     """The `beam_size` best continuations of each row, from `state` and the `logits` [B, V] for
     its first new token. A beam ends at its first stop token; beams still alive after
@@ -61,7 +65,14 @@ def beam_search(
         """Extends the alive beams by one token (the `index`-th) and sorts the candidates into
         alive and finished; -> alive, finished, flat parent of each new beam [B * W], its token."""
         alive_tokens, alive_scores = alive
-        log_probs = jax.nn.log_softmax(logits, axis=-1).reshape(B, W, V)
+        log_probs = penalties.adjust(
+            jax.nn.log_softmax(logits, axis=-1),
+            alive_tokens.reshape(B * W, M),
+            index,
+            stops,
+            no_repeat_ngram,
+            word_reward,
+        ).reshape(B, W, V)
         candidates = (alive_scores[:, :, None] + log_probs).reshape(B, W * V)
         # 2W candidates: even if W of them stop, W others stay alive.
         scores, chosen = jax.lax.top_k(candidates, 2 * W)  # [B, 2W]
@@ -87,8 +98,10 @@ def beam_search(
 
     def running(carry):
         index, (_, alive_scores), (_, _, finished_scores) = carry[:3]
-        # Log-probabilities only fall and the penalty grows to its value at M: an upper bound.
-        best_alive = alive_scores[:, 0] / gnmt_penalty(M, alpha)
+        # Log-probabilities only fall, the word reward adds at most r per token left and the
+        # penalty lies between its values at the next length and at M: an upper bound.
+        most = alive_scores[:, 0] + max(word_reward, 0.0) * (M - index)
+        best_alive = most / jnp.where(most < 0, gnmt_penalty(M, alpha), gnmt_penalty(index + 1, alpha))
         return (index < M) & ~jnp.all(finished_scores[:, -1] >= best_alive)
 
     # Every beam starts as a copy of its row; only the first is alive, so that the first step

@@ -162,12 +162,16 @@ def generate_from_source(
     seed: int | jax.Array = 0,
     on_tokens: OnTokens | None = None,
     width: int | None = None,
+    no_repeat_ngram: int = 0,
+    word_reward: float = 0.0,
 ) -> Generation:
     """Target tokens for each source (token ids, or an array [S, F] of features for the source
     front end; lengths may differ), starting after `bos`; the other settings as in `generate`.
     Compiled once per shape and settings: `width` pads the sources to that many positions, so
     that batches of different lengths can share one program."""
-    sampling, key = sampling_and_key(max_new_tokens, temperature, top_k, top_p, stop_tokens, seed)
+    sampling, key = sampling_and_key(
+        max_new_tokens, temperature, top_k, top_p, stop_tokens, seed, no_repeat_ngram, word_reward
+    )
     inputs, mask = prepare_sources(model, sources, max_new_tokens, width)
     graphdef, params = nnx.split(model)
     new, counts = _source_sample_program(graphdef, sampling, int(bos), on_tokens, params, inputs, mask, key)
@@ -191,10 +195,12 @@ def generate_beams_from_source(
     stop_tokens: Sequence[int] = (),
     length_penalty: float = 0.6,
     width: int | None = None,
+    no_repeat_ngram: int = 0,
+    word_reward: float = 0.0,
 ) -> Beams:
     """Beam search targets for each source (see `generate_from_source` and
     `core.beam.beam_search`): -> `Beams` of [B, W, max_new_tokens] tokens, best first, as numpy."""
-    settings = beam_settings(beam_size, max_new_tokens, stop_tokens, length_penalty)
+    settings = beam_settings(beam_size, max_new_tokens, stop_tokens, length_penalty, no_repeat_ngram, word_reward)
     inputs, mask = prepare_sources(model, sources, max_new_tokens, width)
     graphdef, params = nnx.split(model)
     return Beams(*(np.asarray(x) for x in _source_beam_program(graphdef, settings, int(bos), params, inputs, mask)))

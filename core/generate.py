@@ -33,6 +33,7 @@ import numpy as np
 from flax import nnx
 from jax.experimental import io_callback
 
+from core import penalties
 from core.beam import Beams, beam_search
 from core.errors import UserError
 from core.heads import CopyProjection, Projection
@@ -56,13 +57,16 @@ COMPILER_OPTIONS = {"xla_cpu_copy_insertion_use_region_analysis": True}
 class Sampling:
     """How `sample` picks tokens: temperature 0 is greedy (argmax); else softmax(logits / T),
     restricted to the `top_k` most likely tokens and then to the smallest set of them whose
-    probability reaches `top_p` (None: no restriction; greedy ignores both)."""
+    probability reaches `top_p` (None: no restriction; greedy ignores both). The logits are
+    first adjusted by `core.penalties` (`no_repeat_ngram`, `word_reward`)."""
 
     max_new_tokens: int
     temperature: float = 0.0
     top_k: int | None = None
     top_p: float | None = None
     stop_tokens: tuple[int, ...] = ()
+    no_repeat_ngram: int = 0
+    word_reward: float = 0.0
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -73,6 +77,7 @@ class Sampling:
             raise UserError(f"top_k={self.top_k} must be at least 1.")
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise UserError(f"top_p={self.top_p} must be in (0, 1].")
+        penalties.check(self.no_repeat_ngram, self.word_reward)
 
 
 class Generation(NamedTuple):
@@ -119,6 +124,7 @@ def sample(
     B = logits.shape[0]
 
     def pick(index, logits, tokens, lengths, done):
+        logits = penalties.adjust(logits, tokens, index, stops, sampling.no_repeat_ngram, sampling.word_reward)
         token = jnp.where(done, 0, choose(logits, jax.random.fold_in(key, index), sampling))
         if on_tokens is not None:
             io_callback(on_tokens, None, token, ~done, ordered=True)
@@ -209,12 +215,16 @@ def generate(
     seed: int | jax.Array = 0,
     on_tokens: OnTokens | None = None,
     use_cache: bool = True,
+    no_repeat_ngram: int = 0,
+    word_reward: float = 0.0,
 ) -> Generation:
     """Continues each prompt (a sequence of token ids; lengths may differ) by up to
     `max_new_tokens`; see `Sampling` for the choice of tokens. A row stops after its first stop
     token. `seed` is an int or a `jax.random` key. `on_tokens(tokens [B], active [B])` streams
     each step's tokens to the host as they come. Compiled once per shape and settings."""
-    sampling, key = sampling_and_key(max_new_tokens, temperature, top_k, top_p, stop_tokens, seed)
+    sampling, key = sampling_and_key(
+        max_new_tokens, temperature, top_k, top_p, stop_tokens, seed, no_repeat_ngram, word_reward
+    )
     tokens, lengths = prepare_prompts(model, prompts, max_new_tokens)
     graphdef, params = nnx.split(model)
     new, counts = _sample_program(graphdef, sampling, on_tokens, use_cache, params, tokens, lengths, key)
@@ -228,6 +238,8 @@ def sampling_and_key(
     top_p: float | None,
     stop_tokens: Sequence[int],
     seed: int | jax.Array,
+    no_repeat_ngram: int = 0,
+    word_reward: float = 0.0,
 ) -> tuple[Sampling, jax.Array]:
     """`sample`'s settings, checked, and the random key, from the arguments of the generators."""
     sampling = Sampling(
@@ -236,6 +248,8 @@ def sampling_and_key(
         top_k=top_k,
         top_p=top_p,
         stop_tokens=tuple(int(t) for t in stop_tokens),
+        no_repeat_ngram=int(no_repeat_ngram),
+        word_reward=float(word_reward),
     )
     return sampling, jax.random.key(seed) if isinstance(seed, (int, np.integer)) else seed
 
@@ -247,15 +261,26 @@ class BeamSettings(NamedTuple):
     max_new_tokens: int
     stop_tokens: tuple[int, ...]
     length_penalty: float
+    no_repeat_ngram: int
+    word_reward: float
 
 
 def beam_settings(
-    beam_size: int, max_new_tokens: int, stop_tokens: Sequence[int], length_penalty: float
+    beam_size: int,
+    max_new_tokens: int,
+    stop_tokens: Sequence[int],
+    length_penalty: float,
+    no_repeat_ngram: int = 0,
+    word_reward: float = 0.0,
 ) -> BeamSettings:
     """`beam_search`'s settings, checked."""
     if beam_size < 1:
         raise UserError(f"beam_size={beam_size} must be at least 1.")
-    return BeamSettings(beam_size, max_new_tokens, tuple(int(t) for t in stop_tokens), float(length_penalty))
+    penalties.check(no_repeat_ngram, word_reward)
+    stops = tuple(int(t) for t in stop_tokens)
+    return BeamSettings(
+        beam_size, max_new_tokens, stops, float(length_penalty), int(no_repeat_ngram), float(word_reward)
+    )
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), compiler_options=COMPILER_OPTIONS)
@@ -274,10 +299,12 @@ def generate_beams(
     max_new_tokens: int,
     stop_tokens: Sequence[int] = (),
     length_penalty: float = 0.6,
+    no_repeat_ngram: int = 0,
+    word_reward: float = 0.0,
 ) -> Beams:
     """Beam search continuations of each prompt (see `core.beam.beam_search`): -> `Beams` with
     tokens [B, W, max_new_tokens], lengths [B, W] and scores [B, W], best first, as numpy."""
-    settings = beam_settings(beam_size, max_new_tokens, stop_tokens, length_penalty)
+    settings = beam_settings(beam_size, max_new_tokens, stop_tokens, length_penalty, no_repeat_ngram, word_reward)
     tokens, lengths = prepare_prompts(model, prompts, max_new_tokens)
     graphdef, params = nnx.split(model)
     return Beams(*(np.asarray(x) for x in _beam_program(graphdef, settings, params, tokens, lengths)))

@@ -12,8 +12,9 @@ from flax import nnx
 from core.beam import beam_search, gnmt_penalty
 from core.config import ModelConfig
 from core.errors import UserError
-from core.generate import extend, filter_logits, generate, generate_beams, prefill
+from core.generate import Sampling, beam_settings, extend, filter_logits, generate, generate_beams, prefill, sample
 from core.heads import TiedOutput, TokenEmbedder
+from core.penalties import repeats
 from core.transformer import Model, Transformer
 
 VOCAB = 50
@@ -212,3 +213,87 @@ def test_too_long_prompts_are_cut_on_the_left(model, caplog):
         generate(model, PROMPTS, max_new_tokens=24)
     with pytest.raises(UserError, match="at least one token"):
         generate(model, [[]], max_new_tokens=2)
+
+
+def test_repeats_bans_what_followed_the_last_tokens_before():
+    # Row 0 wrote 5 6 5: after 5 came 6. Row 1 wrote 5 6: its last token, 6, never came before.
+    generated = jnp.asarray([[5, 6, 5, 0, 0], [5, 6, 0, 0, 0]], jnp.int32)
+    banned = lambda length, n: {  # noqa: E731
+        row: set(np.flatnonzero(mask).tolist()) for row, mask in enumerate(np.asarray(repeats(generated, length, n, 8)))
+    }
+    assert banned(3, 2) == {0: {6}, 1: set()}
+    assert banned(3, 1) == {0: {5, 6}, 1: {0, 5, 6}}  # unigrams: every token written so far
+    assert banned(3, 3) == {0: set(), 1: set()}  # (6, 5) never came before
+    assert banned(2, 2) == {0: set(), 1: set()}  # the bigram (5, 6) has no earlier occurrence of 6
+    assert banned(0, 2) == {0: set(), 1: set()}
+
+
+def test_no_repeat_ngram_breaks_a_loop():
+    # A step that always prefers token 1, then 2, then 3, ...: after 1 comes 1 again (a loop).
+    table = jnp.asarray(-np.arange(6)[None, :].repeat(6, 0), jnp.float32)
+
+    def step(state, tokens):
+        return table[tokens], state
+
+    first = table[:1]
+    decode = lambda n: sample(  # noqa: E731
+        step, jnp.zeros((1, 1)), first, jax.random.key(0), Sampling(max_new_tokens=6, no_repeat_ngram=n)
+    )[0]
+    np.testing.assert_array_equal(decode(0)[0], [0] * 6)
+    # Unigrams: every token once. Bigrams: 0 0, then 0 1 (0 0 is taken), 1 0, 0 2, 2 0.
+    np.testing.assert_array_equal(decode(1)[0], [0, 1, 2, 3, 4, 5])
+    np.testing.assert_array_equal(decode(2)[0], [0, 0, 1, 0, 2, 0])
+
+
+def test_the_word_reward_lengthens_greedy_and_beam_outputs():
+    # Token 0 stops. First token 1 (0.7) or 2 (0.3); after 1 the stop is likely (0.6) against
+    # token 3 (0.4); after 2 and 3, the stop is certain.
+    table = np.log(np.array([[0.25] * 4, [0.6, 1e-6, 1e-6, 0.4], [1.0, 1e-6, 1e-6, 1e-6], [1.0, 1e-6, 1e-6, 1e-6]]))
+    table, first = jnp.asarray(table, jnp.float32), jnp.log(jnp.asarray([[1e-6, 0.7, 0.3, 1e-6]], jnp.float32))
+
+    def step(state, tokens):
+        return table[tokens], state
+
+    def greedy(reward):
+        return sample(
+            step,
+            jnp.zeros((1, 1)),
+            first,
+            jax.random.key(0),
+            Sampling(max_new_tokens=4, stop_tokens=(0,), word_reward=reward),
+        )[0][0]
+
+    np.testing.assert_array_equal(greedy(0.0), [1, 0, 0, 0])
+    # 0.6 / 0.4 is 0.41 nats: a larger reward makes token 3 the argmax after token 1.
+    np.testing.assert_array_equal(greedy(0.4), [1, 0, 0, 0])
+    np.testing.assert_array_equal(greedy(0.45), [1, 3, 0, 0])
+
+    def best(reward, alpha):
+        beams = beam_search(
+            step,
+            jnp.zeros((1, 1)),
+            first,
+            beam_size=2,
+            max_new_tokens=4,
+            stop_tokens=(0,),
+            length_penalty=alpha,
+            word_reward=reward,
+        )
+        return beams.tokens[0, 0, : beams.lengths[0, 0]].tolist(), float(beams.scores[0, 0])
+
+    # Scores by hand, (log P + r * words) / penalty: "1 stop" (P 0.42, 1 word) against
+    # "1 3 stop" (P 0.28, 2 words).
+    for reward, alpha in ((0.0, 0.0), (0.3, 0.0), (0.5, 0.0), (0.5, 1.0), (1.0, 1.0)):
+        short = (np.log(0.42) + reward) / gnmt_penalty(2, alpha)
+        long = (np.log(0.28) + 2 * reward) / gnmt_penalty(3, alpha)
+        tokens, score = best(reward, alpha)
+        assert tokens == ([1, 0] if short > long else [1, 3, 0])
+        assert score == pytest.approx(max(short, long), abs=1e-4)
+    assert best(0.5, 0.0)[0] == [1, 3, 0] and best(0.3, 0.0)[0] == [1, 0]
+
+
+def test_decoding_penalties_are_checked():
+    with pytest.raises(UserError, match="no_repeat_ngram=-1"):
+        Sampling(max_new_tokens=4, no_repeat_ngram=-1)
+    with pytest.raises(UserError, match="word_reward=nan"):
+        beam_settings(2, 4, (0,), 0.6, word_reward=float("nan"))

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from core import losses
+from core import losses, penalties
 from core import metrics as metric_lib
 from core.config import Config, OptimConfig, TrainConfig, modern_blocks
 from core.errors import UserError
@@ -133,6 +133,7 @@ class LMTask(Task):
         PredictOption("top_p", float, 1.0, "sample within the smallest set of pieces of this probability"),
         PredictOption("beams", int, 1, "beam search with this many beams (> 1 ignores the sampling options)"),
         PredictOption("length_penalty", float, 0.6, "beam search: GNMT length penalty exponent"),
+        *penalties.options(),
         PredictOption("seed", int, 0, "random seed of the sampling"),
     )
     presets: ClassVar[dict] = {"tiny": tiny, "base": base}
@@ -215,7 +216,11 @@ class LMTask(Task):
         if options["beams"] < 1:
             raise UserError(f"--beams {options['beams']}: must be at least 1 (1 samples, more search).")
         prompts = [[BOS, *ids] for ids in featurizer.pieces(examples)]
-        settings = {"max_new_tokens": options["max_new_tokens"], "stop_tokens": (EOS,)}
+        settings = {
+            "max_new_tokens": options["max_new_tokens"],
+            "stop_tokens": (EOS,),
+            **penalties.from_options(options),
+        }
         if options["beams"] > 1:
             beams = generation.generate_beams(
                 model, prompts, beam_size=options["beams"], length_penalty=options["length_penalty"], **settings
@@ -262,7 +267,8 @@ class LanguageModel:
 
     def generate(self, prompts: Sequence[str], **options) -> list[str]:
         """The continuation of each prompt; `options` are `apps predict lm`'s, by name
-        (max_new_tokens, temperature, top_k, top_p, beams, length_penalty, seed)."""
+        (max_new_tokens, temperature, top_k, top_p, beams, length_penalty, no_repeat_ngram,
+        word_reward, seed)."""
         defaults = {option.name: option.default for option in LMTask.predict_options}
         unknown = sorted(set(options) - set(defaults))
         if unknown:

@@ -34,7 +34,7 @@ import numpy as np
 import sacrebleu
 from flax import nnx
 
-from core import losses
+from core import losses, penalties
 from core import metrics as metric_lib
 from core.config import Config, ModelConfig, OptimConfig, TrainConfig, require
 from core.data import bucket_width
@@ -256,6 +256,26 @@ def _cut(pieces: list[list[int]], length: int, side: str, key: str) -> list[np.n
     return [row[:length] for row in rows]
 
 
+def decoding_options(no_repeat_ngram: int = 0, word_reward: float = 0.0) -> tuple[PredictOption, ...]:
+    """`apps predict`'s options of a seq2seq task, with the task's defaults of the penalties
+    (`core.penalties`), which it tunes on its valid split."""
+    return (
+        PredictOption("beams", int, 4, "beam search with this many beams (1: greedy or sampling)"),
+        PredictOption("length_penalty", float, 0.6, "beam search: GNMT length penalty exponent"),
+        *penalties.options(no_repeat_ngram, word_reward),
+        PredictOption("temperature", float, 0.0, "with --beams 1: softmax temperature; 0 is greedy"),
+        PredictOption("seed", int, 0, "random seed of the sampling"),
+        PredictOption(
+            "mbr",
+            int,
+            0,
+            "minimum Bayes risk: sample this many outputs (at --mbr-temperature) and return, of them and "
+            "the greedy and beam outputs, the one with the highest mean chrF against the samples; 0 is off",
+        ),
+        PredictOption("mbr_temperature", float, 0.7, "the softmax temperature of the samples of --mbr"),
+    )
+
+
 @dataclass(frozen=True, kw_only=True)
 class Seq2SeqTask(Task):
     """The shared body of the seq2seq tasks; a task adds its data, scores and baseline."""
@@ -270,20 +290,7 @@ class Seq2SeqTask(Task):
         "mask": ("inputs",),
         "decoder_mask": ("decoder_inputs", "targets", "target_mask"),
     }
-    predict_options: ClassVar[tuple[PredictOption, ...]] = (
-        PredictOption("beams", int, 4, "beam search with this many beams (1: greedy or sampling)"),
-        PredictOption("length_penalty", float, 0.6, "beam search: GNMT length penalty exponent"),
-        PredictOption("temperature", float, 0.0, "with --beams 1: softmax temperature; 0 is greedy"),
-        PredictOption("seed", int, 0, "random seed of the sampling"),
-        PredictOption(
-            "mbr",
-            int,
-            0,
-            "minimum Bayes risk: sample this many outputs (at --mbr-temperature) and return, of them and "
-            "the greedy and beam outputs, the one with the highest mean chrF against the samples; 0 is off",
-        ),
-        PredictOption("mbr_temperature", float, 0.7, "the softmax temperature of the samples of --mbr"),
-    )
+    predict_options: ClassVar[tuple[PredictOption, ...]] = decoding_options()
     evaluated_decodings: ClassVar[dict[str, dict[str, Any]]] = {"greedy": {"beams": 1}, "beam": {"beams": 4}}
 
     config: Config
@@ -353,7 +360,8 @@ class Seq2SeqTask(Task):
             return {"text": self.decode_texts(model, featurizer, sources, options)}
         if options["mbr_temperature"] <= 0:
             raise UserError(f"--mbr-temperature {options['mbr_temperature']}: must be positive (samples differ).")
-        sampled = {"beams": 1, "temperature": options["mbr_temperature"]}
+        # The pseudo-references are the model's own samples: no penalty reshapes them.
+        sampled = {"beams": 1, "temperature": options["mbr_temperature"], "no_repeat_ngram": 0, "word_reward": 0.0}
         samples = [
             self.decode_texts(model, featurizer, sources, {**options, **sampled, "seed": seed})
             for seed in range(options["seed"], options["seed"] + options["mbr"])
@@ -382,6 +390,7 @@ class Seq2SeqTask(Task):
             }
             batch = [sources[i] for i in rows]
             batch += [batch[0]] * (batch_size - len(batch))  # one batch shape: pad with copies
+            settings |= penalties.from_options(options)
             if options["beams"] > 1:
                 beams = generate_beams_from_source(
                     model, batch, beam_size=options["beams"], length_penalty=options["length_penalty"], **settings
