@@ -347,19 +347,24 @@ def test_mbr_chooses_among_greedy_beam_and_samples(translate_run):
     loaded = run.load(tasks.get("translate"), translate_run)
     task, featurizer = loaded.task, loaded.featurizer
     model = nnx.merge(loaded.steps.graphdef, loaded.params)
-    examples = task.parse_inputs(texts, DECODING)
+    # translate's own defaults: its penalties shape greedy and beam, not the samples.
+    options = read_predict_options(task.predict_options, {}, "translate")
+    assert options["no_repeat_ngram"] and options["word_reward"]
+    examples = task.parse_inputs(texts, options)
+    unshaped = {"beams": 1, "temperature": 0.7, "no_repeat_ngram": 0, "word_reward": 0.0}
     decoded = [
-        task.generate(model, featurizer, examples, {**DECODING, **settings})["text"]
-        for settings in [{"beams": 1}, {"beams": 2}]
-        + [{"beams": 1, "temperature": 0.7, "seed": seed} for seed in (3, 4, 5)]
+        task.generate(model, featurizer, examples, {**options, **settings})["text"]
+        for settings in [{"beams": 1}, {"beams": 2}] + [{**unshaped, "seed": seed} for seed in (3, 4, 5)]
     ]
-    chosen = task.generate(model, featurizer, examples, {**DECODING, "beams": 2, "mbr": 3, "seed": 3})["text"]
+    chosen = task.generate(model, featurizer, examples, {**options, "beams": 2, "mbr": 3, "seed": 3})["text"]
     assert chosen == minimum_bayes_risk(list(zip(*decoded)), list(zip(*decoded[2:])))
     rows = run.predict(tasks.get("translate"), translate_run, texts, {"--beams": "2", "--mbr": "3", "--seed": "3"})
     assert [row["translation"] for row in rows] == chosen
     for flags, message in [
         (("--mbr", "-1"), "--mbr -1: must be at least 0"),
         (("--mbr", "2", "--mbr-temperature", "0"), "--mbr-temperature 0.0: must be positive"),
+        (("--no-repeat-ngram", "-1"), "no_repeat_ngram=-1 must be >= 0"),
+        (("--word-reward", "nan", "--beams", "1"), "word_reward=nan must be a finite number"),
     ]:
         result = apps("predict", "translate", "--workdir", translate_run, *flags, "red cat")
         assert result.exit_code == 1 and message in result.output and "Traceback" not in result.output

@@ -22,8 +22,9 @@ from typing import Any, ClassVar, Literal
 import sacrebleu
 
 from core.config import modern_blocks, require
+from core.task import PredictOption
 from tasks.nlp import freedict
-from tasks.nlp.seq2seq import Seq2SeqData, Seq2SeqTask, normalized, preset
+from tasks.nlp.seq2seq import Seq2SeqData, Seq2SeqTask, decoding_options, normalized, preset
 
 MAX_WORDS = 24
 
@@ -98,6 +99,10 @@ class TranslateTask(Seq2SeqTask):
     default_data: ClassVar[str] = f"FreeDict English-German usage examples (Debian {freedict.PACKAGE})"
     model_summary: ClassVar[str] = "encoder-decoder (RMSNorm, SwiGLU, rotary), shared vocabulary"
     metric_names: ClassVar[tuple[str, ...]] = ("bleu", "chrf", "nll", "token_accuracy")
+    # Tuned on the valid split with the base preset: no piece twice in one output (the short
+    # targets rarely repeat one; a weak decoder loops), and 3 nats per piece against the early
+    # stop of a model trained on short targets. Valid chrF, greedy / beam: 27.0 / 25.8 -> 30.6 / 33.6.
+    predict_options: ClassVar[tuple[PredictOption, ...]] = decoding_options(no_repeat_ngram=1, word_reward=3.0)
     # Beside greedy and beam: minimum Bayes risk over both and 8 samples, by chrF.
     evaluated_decodings: ClassVar[dict[str, dict[str, Any]]] = {
         **Seq2SeqTask.evaluated_decodings,
