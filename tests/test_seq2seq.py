@@ -3,6 +3,7 @@ the scores, decoding through the task, and bad input."""
 
 import dataclasses
 import gzip
+import itertools
 import json
 import logging
 import re
@@ -144,6 +145,10 @@ def test_learned_words_choose_senses_and_fill_gaps_from_the_pairs():
     assert words["house"] == "Haus" and "barks" not in words and "a" not in words
     # One shared pair is enough with least=1: "bellt" (2 * 1 / (1 + 1)) beats "Hund" (2 / (1 + 2)).
     assert freedict.Cooccurrence(pairs).associate("barks", least=1) == "bellt"
+    # Equal Dice: the German word seen first wins, whatever the hash seed orders sets by.
+    ties = [(f"w{i}", " ".join(german)) for i, german in enumerate(itertools.permutations(["Ab", "Cd", "Ef", "Gh"]))]
+    counts = freedict.Cooccurrence(ties)
+    assert [counts.associate(english, least=1) for english, _ in ties] == [german.split()[0] for _, german in ties]
 
 
 def test_word_by_word_copies_unknown_words_and_punctuation():

@@ -180,8 +180,10 @@ class Cooccurrence:
         self.together: dict[str, Counter] = defaultdict(Counter)
         self.english, self.german = Counter(), Counter()
         for english, german in pairs:
-            source = {token.lower() for token in _TOKEN.findall(english)}
-            target = set(_TOKEN.findall(german))
+            # Distinct words in the order they come (not a set's, which varies with the hash
+            # seed): a tie in `associate` goes to the German word seen first.
+            source = list(dict.fromkeys(token.lower() for token in _TOKEN.findall(english)))
+            target = list(dict.fromkeys(_TOKEN.findall(german)))
             self.english.update(source)
             self.german.update(target)
             for word in source:
@@ -195,7 +197,7 @@ class Cooccurrence:
 
     def associate(self, word: str, least: int = 2) -> str | None:
         """The German word most associated with `word` (Dice: twice the pairs with both over the
-        pairs with either), if they share at least `least` pairs."""
+        pairs with either), if they share at least `least` pairs; of equals, the first seen."""
         seen = self.together.get(word, {})
         if not seen:
             return None
