@@ -99,9 +99,10 @@ def beam_search(
     def running(carry):
         index, (_, alive_scores), (_, _, finished_scores) = carry[:3]
         # Log-probabilities only fall, the word reward adds at most r per token left and the
-        # penalty lies between its values at the next length and at M: an upper bound.
+        # penalty lies between its values now (what an alive beam scores if the loop stops
+        # here) and at M: an upper bound.
         most = alive_scores[:, 0] + max(word_reward, 0.0) * (M - index)
-        best_alive = most / jnp.where(most < 0, gnmt_penalty(M, alpha), gnmt_penalty(index + 1, alpha))
+        best_alive = most / jnp.where(most < 0, gnmt_penalty(M, alpha), gnmt_penalty(index, alpha))
         return (index < M) & ~jnp.all(finished_scores[:, -1] >= best_alive)
 
     # Every beam starts as a copy of its row; only the first is alive, so that the first step

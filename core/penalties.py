@@ -7,7 +7,8 @@
 - `word_reward` r: every token that is not a stop token earns r nats (Murray and Chiang 2018,
   "Correcting length bias in neural machine translation"): a model trained on short targets
   stops too early, and a beam prefers the short hypotheses its probabilities favour. In greedy
-  decoding and sampling this lowers the stop tokens' logits by r.
+  decoding this lowers the stop tokens' logits by r; sampling divides the lowered logits by its
+  temperature, r / T.
 """
 
 from __future__ import annotations

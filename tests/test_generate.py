@@ -292,6 +292,33 @@ def test_the_word_reward_lengthens_greedy_and_beam_outputs():
     assert best(0.5, 0.0)[0] == [1, 3, 0] and best(0.3, 0.0)[0] == [1, 0]
 
 
+def test_a_positive_reward_does_not_stop_the_beam_before_its_best():
+    # 1, then 2, then the stop or 3 (1/2 each), then the stop. With alpha 10 and a reward of
+    # 10, "1 2 stop" scores (log 1/2 + 20) / (8/6)^10 = 1.087; the unfinished "1 2 3" would
+    # score 1.65 as it is, so the loop may not stop there, and "1 2 3 stop" scores only 0.51.
+    tiny = 1e-6
+    table = np.log(
+        np.array([[1, tiny, tiny, tiny], [tiny, tiny, 1, tiny], [0.5, tiny, tiny, 0.5], [1, tiny, tiny, tiny]])
+    )
+    table, first = jnp.asarray(table, jnp.float32), jnp.log(jnp.asarray([[tiny, 1, tiny, tiny]], jnp.float32))
+
+    def step(state, tokens):
+        return table[tokens], state
+
+    beams = beam_search(
+        step,
+        jnp.zeros((1, 1)),
+        first,
+        beam_size=1,
+        max_new_tokens=4,
+        stop_tokens=(0,),
+        length_penalty=10.0,
+        word_reward=10.0,
+    )
+    assert beams.tokens[0, 0, : beams.lengths[0, 0]].tolist() == [1, 2, 0]
+    assert float(beams.scores[0, 0]) == pytest.approx((np.log(0.5) + 20) / gnmt_penalty(3, 10.0), abs=1e-3)
+
+
 def test_decoding_penalties_are_checked():
     with pytest.raises(UserError, match="no_repeat_ngram=-1"):
         Sampling(max_new_tokens=4, no_repeat_ngram=-1)
