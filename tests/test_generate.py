@@ -185,16 +185,29 @@ def test_beam_search_scores_at_least_greedy(model):
         assert beams.scores[row, 0] >= sequence_score(model, prompt, greedy[row], alpha) - 1e-5
 
 
-def test_beam_search_finds_what_greedy_misses():
-    # Token 1 looks best first (0.6 against 0.4 for token 2), but after it every token has
-    # probability 1/4; after token 2, token 3 is certain. Token 0 stops.
-    table = np.log(np.array([[0.25] * 4, [0.25] * 4, [1e-6, 1e-6, 1e-6, 1.0], [1.0, 1e-6, 1e-6, 1e-6]]))
-    table = jnp.asarray(table, jnp.float32)
+def bigram_step(first, table):
+    """A hand-built decode step whose next token depends on the last one alone: probabilities
+    `first` for the first token and `table[t]` after token t (0 stands for 1e-6) -> (step, the
+    first token's logits [1, V])."""
+    log = lambda p: jnp.log(jnp.maximum(jnp.asarray(p, jnp.float32), 1e-6))  # noqa: E731
+    table = log(table)
 
     def step(state, tokens):
         return table[tokens], state
 
-    first = jnp.log(jnp.asarray([[1e-6, 0.6, 0.4, 1e-6]], jnp.float32))
+    return step, log([first])
+
+
+def best_beam(step, first, **settings) -> tuple[list[int], float]:
+    """The best beam of a `bigram_step` (up to 4 new tokens, token 0 stops): its tokens and score."""
+    beams = beam_search(step, jnp.zeros((1, 1)), first, max_new_tokens=4, stop_tokens=(0,), **settings)
+    return beams.tokens[0, 0, : beams.lengths[0, 0]].tolist(), float(beams.scores[0, 0])
+
+
+def test_beam_search_finds_what_greedy_misses():
+    # Token 1 looks best first (0.6 against 0.4 for token 2), but after it every token has
+    # probability 1/4; after token 2, token 3 is certain. Token 0 stops.
+    step, first = bigram_step([0, 0.6, 0.4, 0], [[0.25] * 4, [0.25] * 4, [0, 0, 0, 1], [1, 0, 0, 0]])
     beams = jax.jit(lambda s, x: beam_search(step, s, x, beam_size=2, max_new_tokens=4, stop_tokens=(0,)))(
         jnp.zeros((1, 1)), first
     )
@@ -248,11 +261,7 @@ def test_no_repeat_ngram_breaks_a_loop():
 def test_the_word_reward_lengthens_greedy_and_beam_outputs():
     # Token 0 stops. First token 1 (0.7) or 2 (0.3); after 1 the stop is likely (0.6) against
     # token 3 (0.4); after 2 and 3, the stop is certain.
-    table = np.log(np.array([[0.25] * 4, [0.6, 1e-6, 1e-6, 0.4], [1.0, 1e-6, 1e-6, 1e-6], [1.0, 1e-6, 1e-6, 1e-6]]))
-    table, first = jnp.asarray(table, jnp.float32), jnp.log(jnp.asarray([[1e-6, 0.7, 0.3, 1e-6]], jnp.float32))
-
-    def step(state, tokens):
-        return table[tokens], state
+    step, first = bigram_step([0, 0.7, 0.3, 0], [[0.25] * 4, [0.6, 0, 0, 0.4], [1, 0, 0, 0], [1, 0, 0, 0]])
 
     def greedy(reward):
         return sample(
@@ -269,17 +278,7 @@ def test_the_word_reward_lengthens_greedy_and_beam_outputs():
     np.testing.assert_array_equal(greedy(0.45), [1, 3, 0, 0])
 
     def best(reward, alpha):
-        beams = beam_search(
-            step,
-            jnp.zeros((1, 1)),
-            first,
-            beam_size=2,
-            max_new_tokens=4,
-            stop_tokens=(0,),
-            length_penalty=alpha,
-            word_reward=reward,
-        )
-        return beams.tokens[0, 0, : beams.lengths[0, 0]].tolist(), float(beams.scores[0, 0])
+        return best_beam(step, first, beam_size=2, length_penalty=alpha, word_reward=reward)
 
     # Scores by hand, (log P + r * words) / penalty: "1 stop" (P 0.42, 1 word) against
     # "1 3 stop" (P 0.28, 2 words).
@@ -296,27 +295,9 @@ def test_a_positive_reward_does_not_stop_the_beam_before_its_best():
     # 1, then 2, then the stop or 3 (1/2 each), then the stop. With alpha 10 and a reward of
     # 10, "1 2 stop" scores (log 1/2 + 20) / (8/6)^10 = 1.087; the unfinished "1 2 3" would
     # score 1.65 as it is, so the loop may not stop there, and "1 2 3 stop" scores only 0.51.
-    tiny = 1e-6
-    table = np.log(
-        np.array([[1, tiny, tiny, tiny], [tiny, tiny, 1, tiny], [0.5, tiny, tiny, 0.5], [1, tiny, tiny, tiny]])
-    )
-    table, first = jnp.asarray(table, jnp.float32), jnp.log(jnp.asarray([[tiny, 1, tiny, tiny]], jnp.float32))
-
-    def step(state, tokens):
-        return table[tokens], state
-
-    beams = beam_search(
-        step,
-        jnp.zeros((1, 1)),
-        first,
-        beam_size=1,
-        max_new_tokens=4,
-        stop_tokens=(0,),
-        length_penalty=10.0,
-        word_reward=10.0,
-    )
-    assert beams.tokens[0, 0, : beams.lengths[0, 0]].tolist() == [1, 2, 0]
-    assert float(beams.scores[0, 0]) == pytest.approx((np.log(0.5) + 20) / gnmt_penalty(3, 10.0), abs=1e-3)
+    step, first = bigram_step([0, 1, 0, 0], [[1, 0, 0, 0], [0, 0, 1, 0], [0.5, 0, 0, 0.5], [1, 0, 0, 0]])
+    tokens, score = best_beam(step, first, beam_size=1, length_penalty=10.0, word_reward=10.0)
+    assert tokens == [1, 2, 0] and score == pytest.approx((np.log(0.5) + 20) / gnmt_penalty(3, 10.0), abs=1e-3)
 
 
 def test_decoding_penalties_are_checked():
