@@ -25,6 +25,8 @@ An encoder-decoder task (its `model` hook builds a `core.encoder_decoder.Encoder
 
 from __future__ import annotations
 
+import abc
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,9 +84,17 @@ class Featurizer(Protocol):
     def __call__(self, examples: Sequence[Example]) -> Batch: ...
 
 
-class Task(Protocol):
-    """What every registered task implements. Tasks subclass it, so that the optional hooks
-    below keep their defaults unless a task overrides them."""
+class Task(abc.ABC):
+    """What every registered task implements. Tasks subclass it: the abstract hooks are
+    required (a registered task lacking one fails when its module is imported, naming it), the
+    others keep their defaults unless a task overrides them. A registered task is marked
+    `@final`: nothing subclasses it, so that what it declares is what runs."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        sealed = [base.__name__ for base in cls.__mro__[1:] if base.__dict__.get("__final__")]
+        if sealed:
+            raise TypeError(f"{cls.__name__} subclasses the final task {sealed[0]}; share a base class instead.")
 
     name: ClassVar[str]
     summary: ClassVar[str]
@@ -103,49 +113,65 @@ class Task(Protocol):
     config: Config
     data: str | None
 
+    @abc.abstractmethod
     def examples(self, split: str) -> list[Example]:
         """The split ("train", "valid", "test") of the task's data, as raw examples."""
 
+    @abc.abstractmethod
     def fit_featurizer(self, train: Sequence[Example]) -> Featurizer:
         """A new featurizer fitted on the training examples."""
 
+    @abc.abstractmethod
     def load_featurizer(self, directory: Path) -> Featurizer:
         """The featurizer a run saved under `directory`."""
 
-    def model(self, featurizer: Featurizer, config: Config, rngs: nnx.Rngs) -> nnx.Module | None:
-        """The whole model, for a task whose shape is not the default composition (an
-        `EncoderDecoder`, for one): a module called as `model(batch, dropout_key=...)` that
-        returns what `loss`, `metrics` and `decode` read. None, the default: the core builds
-        `Model(embedder, Transformer, head)` from `embedder` and `head`."""
-        return None
+    def model(self, featurizer: Featurizer, config: Config, rngs: nnx.Rngs) -> nnx.Module:
+        """The whole model: a module called as `model(batch, dropout_key=...)` that returns what
+        `loss`, `metrics` and `decode` read. The default is the core's composition
+        `Model(embedder, Transformer, head)` from the task's `embedder` and `head`; a task of
+        another shape (an `EncoderDecoder`) overrides `model` instead of those two."""
+        from core.transformer import Model, Transformer  # the contract module stays light to import
+
+        embedder = self.embedder(featurizer, rngs)
+        body = Transformer(config.model, remat=config.train.remat, rngs=rngs)
+        return Model(embedder, body, self.head(featurizer, embedder, rngs))
 
     def embedder(self, featurizer: Featurizer, rngs: nnx.Rngs) -> nnx.Module:
-        """The front end: (`inputs`, `mask`) -> (x [B, T', D], mask [B, T']); T' may differ
-        from T (a strided convolution over frames shortens it)."""
+        """The front end of the default composition: (`inputs`, `mask`) -> (x [B, T', D], mask
+        [B, T']); T' may differ from T (a strided convolution over frames shortens it)."""
+        raise NotImplementedError(f"{type(self).__name__} builds its own model.")
 
     def head(self, featurizer: Featurizer, embedder: nnx.Module, rngs: nnx.Rngs) -> nnx.Module:
-        """Maps hidden states [B, T, D] and the mask to the task's outputs."""
+        """The head of the default composition: hidden states [B, T, D] and the mask -> the
+        task's outputs."""
+        raise NotImplementedError(f"{type(self).__name__} builds its own model.")
 
+    @abc.abstractmethod
     def loss(self, outputs: Any, batch: Batch) -> tuple[jax.Array, jax.Array]:
         """(sum of weighted losses, sum of weights) over the batch."""
 
+    @abc.abstractmethod
     def metrics(self, outputs: Any, batch: Batch) -> Streamed:
         """On-device metrics as (numerator, denominator) pairs."""
 
+    @abc.abstractmethod
     def decode(self, outputs: Any, batch: Batch) -> dict[str, jax.Array]:
         """Predictions per batch row (an example, or for packing tasks such as lm a packed row),
         on device; one leading batch axis per array."""
 
+    @abc.abstractmethod
     def score(
         self, predictions: dict[str, np.ndarray], examples: Sequence[Example], featurizer: Featurizer
     ) -> dict[str, float]:
         """Host-side metrics of decoded predictions against the examples' references."""
 
+    @abc.abstractmethod
     def baselines(
         self, train: Sequence[Example], test: Sequence[Example], featurizer: Featurizer
     ) -> dict[str, dict[str, float]]:
         """Classical reference models fitted on `train` and scored like `score` on `test`."""
 
+    @abc.abstractmethod
     def protocol(self) -> dict[str, str]:
         """{"dataset": ..., "protocol": ...}: what a reported number was measured on, and how."""
 
@@ -198,15 +224,39 @@ class Task(Protocol):
         reads sliding windows) overrides it."""
         return featurizer(examples)
 
+    # The batch masks whose true entries count as tokens read, for throughput in the log: the
+    # inputs' mask, and for an encoder-decoder the decoder's too.
+    token_masks: ClassVar[tuple[str, ...]] = ("mask",)
+
+    def augment_on_device(self, batch: Batch) -> Batch:
+        """Applied inside the jitted train step to each training batch before the model reads it
+        (never to evaluation batches): what is cheaper on the device than on the host, such as
+        applying SpecAugment's masks to the frames. The default leaves the batch as it is."""
+        return batch
+
     def augment(self, batch: Batch, rng: np.random.Generator) -> Batch:
         """Applied to each global training batch with a generator seeded by (seed, step): random
         masking, negative sampling. The default leaves the batch as it is."""
         return batch
 
+    @abc.abstractmethod
     def parse_inputs(self, lines: Sequence[str], options: dict[str, Any]) -> list[Example]:
         """Examples from the lines a user gives `apps predict` and the values of `predict_options`."""
 
+    @abc.abstractmethod
     def render(
         self, predictions: dict[str, np.ndarray], examples: Sequence[Example], featurizer: Featurizer
     ) -> list[dict[str, str]]:
         """One printable row (column -> text) per prediction."""
+
+
+def final(cls: type[Task]) -> type[Task]:
+    """Marks a concrete, registered task: checks at import that it implements every required
+    hook (and either `model` or both `embedder` and `head`), and seals it against subclassing."""
+    missing = sorted(inspect.getattr_static(cls, "__abstractmethods__", ()))
+    if missing:
+        raise TypeError(f"Task {cls.__name__} does not implement the required hook(s) {', '.join(missing)}.")
+    if cls.model is Task.model and (cls.embedder is Task.embedder or cls.head is Task.head):
+        raise TypeError(f"Task {cls.__name__} must implement `model`, or both `embedder` and `head`.")
+    cls.__final__ = True
+    return cls

@@ -24,4 +24,7 @@ def get(name: str) -> type:
     if name not in REGISTRY:
         raise UserError(f"Unknown task {name!r}; the tasks are: {', '.join(sorted(REGISTRY))}.")
     module, _, attribute = REGISTRY[name].partition(":")
-    return getattr(importlib.import_module(module), attribute)
+    task_type = getattr(importlib.import_module(module), attribute)
+    if not task_type.__dict__.get("__final__"):
+        raise TypeError(f"The registered task {REGISTRY[name]} is not marked @core.task.final.")
+    return task_type

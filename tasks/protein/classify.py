@@ -35,10 +35,15 @@ from core import metrics as metric_lib
 from core.config import Config
 from core.errors import UserError
 from core.heads import PooledClassifier
-from tasks.nlp.scoring import classification_scores
+from core.task import final
+from tasks.common.scoring import classification_scores
+from tasks.common.splits import hash_split
 from tasks.protein import data as protein_data
 from tasks.protein import sequences
 from tasks.protein.base import ProteinTask, ResidueFeaturizer, encoder, protein_config, tiny_config
+
+# Percent of the records in each split, by the CRC-32 of their key.
+SHARES = {"train": 80, "valid": 10, "test": 10}
 
 
 def tiny() -> Config:
@@ -61,6 +66,7 @@ def family() -> Config:
     return dataclasses.replace(config, data=dataclasses.replace(config.data, labels="family"))
 
 
+@final
 @dataclass(frozen=True, kw_only=True)
 class ProteinClassTask(ProteinTask):
     name: ClassVar[str] = "protein-class"
@@ -87,7 +93,7 @@ class ProteinClassTask(ProteinTask):
 
     def examples(self, split: str) -> list[dict]:
         records, key = self._records()
-        examples = [r for r in records if sequences.hash_split(r[key], (80, 10)) == split]
+        examples = [r for r in records if hash_split(r[key], SHARES) == split]
         if split == "train" and len({e["label"] for e in examples}) < 2:
             raise UserError(f"The training split of {self.data or self.default_data} has fewer than two classes.")
         return examples

@@ -25,6 +25,8 @@ from core import losses
 from core import metrics as metric_lib
 from core.config import Config
 from core.heads import Projection, TiedOutput
+from core.task import final
+from tasks.common.splits import hash_split
 from tasks.protein import data as protein_data
 from tasks.protein import sequences
 from tasks.protein.base import (
@@ -41,6 +43,10 @@ from tasks.protein.base import (
 FILL = "?"
 
 
+# Percent of the records in each split, by the CRC-32 of their key.
+SHARES = {"train": 90, "valid": 5, "test": 5}
+
+
 def tiny() -> Config:
     return tiny_config("protein-mlm")
 
@@ -53,6 +59,7 @@ def base() -> Config:
     )
 
 
+@final
 @dataclass(frozen=True, kw_only=True)
 class ProteinMLMTask(ProteinTask):
     name: ClassVar[str] = "protein-mlm"
@@ -69,7 +76,7 @@ class ProteinMLMTask(ProteinTask):
 
     def examples(self, split: str) -> list[dict]:
         records = protein_data.uniprot() if self.data is None else self.records(None)
-        return [r for r in sequences.unique(records) if sequences.hash_split(r["sequence"]) == split]
+        return [r for r in sequences.unique(records) if hash_split(r["sequence"], SHARES) == split]
 
     def protocol(self) -> dict[str, str]:
         return {

@@ -33,9 +33,14 @@ from core import metrics as metric_lib
 from core.config import Config
 from core.errors import UserError
 from core.heads import TokenClassifier
+from core.task import final
+from tasks.common.splits import hash_split
 from tasks.protein import data as protein_data
 from tasks.protein import sequences
 from tasks.protein.base import ProteinTask, ResidueFeaturizer, encoder, protein_config, tiny_config
+
+# Percent of the records in each split, by the CRC-32 of their key.
+SHARES = {"train": 80, "valid": 10, "test": 10}
 
 
 def tiny() -> Config:
@@ -56,6 +61,7 @@ def q8() -> Config:
     return dataclasses.replace(config, preset="q8", data=dataclasses.replace(config.data, states="q8"))
 
 
+@final
 @dataclass(frozen=True, kw_only=True)
 class ProteinResidueTask(ProteinTask):
     name: ClassVar[str] = "protein-residue"
@@ -74,7 +80,7 @@ class ProteinResidueTask(ProteinTask):
             records = protein_data.secondary_structure(self.config.data.states)
         else:
             records = self.records(self.config.data.label_column)
-        return [r for r in sequences.unique(records) if sequences.hash_split(r["sequence"], (80, 10)) == split]
+        return [r for r in sequences.unique(records) if hash_split(r["sequence"], SHARES) == split]
 
     def protocol(self) -> dict[str, str]:
         return {

@@ -20,14 +20,13 @@ from __future__ import annotations
 import gzip
 import io
 import re
-import zlib
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
 
 from core.errors import UserError
-from tasks.nlp import data as tables
+from tasks.common import tables
 
 PAD, MASK, UNKNOWN = 0, 1, 2
 AMINO_ACIDS = "ACDEFGHIKLMNPQRSTVWY"
@@ -148,12 +147,7 @@ def uniprot_fields(header: str) -> dict:
 
 
 def _read_table(spec: str, sequence_column: str, label_column: str | None, id_column: str) -> list[dict]:
-    path = Path(spec)
-    if path.suffix.lower() in tables.FORMATS or path.exists():
-        table, where = tables.read_file(path), str(path)
-    else:
-        splits = tables.read_hub(spec, "a FASTA, flat or .csv/.tsv/.jsonl/.parquet file")
-        table, where = splits["train"] if "train" in splits else next(iter(splits.values())), f"hub dataset {spec!r}"
+    table, where = tables.read_table(spec, "a FASTA, flat or .csv/.tsv/.jsonl/.parquet file")
     wanted = {"data.sequence_column": sequence_column}
     if label_column is not None:
         wanted["data.label_column"] = label_column
@@ -172,12 +166,6 @@ def _read_table(spec: str, sequence_column: str, label_column: str | None, id_co
             {"id": name, "sequence": sequence.strip().upper(), "label": None if label is None else str(label)}
         )
     return records
-
-
-def hash_split(key: str, percents: tuple[int, int] = (90, 5)) -> str:
-    """ "train", "valid" or "test" for `key` by its CRC-32 (train and valid percents; test the rest)."""
-    bucket = zlib.crc32(key.encode("utf-8")) % 100
-    return "train" if bucket < percents[0] else "valid" if bucket < sum(percents) else "test"
 
 
 def unique(records: Sequence[dict]) -> list[dict]:

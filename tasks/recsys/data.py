@@ -12,7 +12,6 @@ order. Exact duplicate rows (same user, item and timestamp) are dropped and coun
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from core.errors import UserError
+from tasks.common import cache
 
 RECBOLE_DIR = "dataset_example/ml-100k"
 
@@ -60,6 +60,7 @@ def synthetic_log(users: int = 64, items: int = 30, seed: int = 0) -> Log:
     return Log(users_, items_, times.astype(np.float64), np.full(len(rows), np.nan), "synthetic")
 
 
+@cache.by_file
 def load_log(
     spec: str | None,
     user_column: str = "user_id",
@@ -69,13 +70,6 @@ def load_log(
 ) -> Log:
     """The log named by `--data` (None: the embedded ML-100K), read once per process while the
     file is unchanged."""
-    path = Path(spec) if spec is not None else movielens_100k_dir() / "ml-100k.inter"
-    stamp = (path.stat().st_mtime_ns, path.stat().st_size) if path.is_file() else None
-    return _load_log(spec, user_column, item_column, time_column, rating_column, stamp)
-
-
-@functools.cache
-def _load_log(spec, user_column, item_column, time_column, rating_column, stamp) -> Log:
     if spec is None:
         return _read_atomic(movielens_100k_dir() / "ml-100k.inter")
     path = Path(spec)

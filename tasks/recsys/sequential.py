@@ -29,7 +29,7 @@ from core import metrics as metric_lib
 from core.config import Config, ModelConfig, OptimConfig, TrainConfig
 from core.errors import UserError
 from core.heads import Projection, TiedOutput, TokenEmbedder
-from core.task import PredictOption, Task
+from core.task import PredictOption, Task, final
 from tasks.recsys import data as rec_data
 
 PAD, MASK = 0, 1  # item i of the vocabulary has index i + 2
@@ -250,6 +250,7 @@ class UntiedOutput(nnx.Module):
         return Projection(hidden, self.weight[...])
 
 
+@final
 @dataclass(frozen=True, kw_only=True)
 class RecsysTask(Task):
     name: ClassVar[str] = "recsys"

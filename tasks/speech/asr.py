@@ -15,7 +15,7 @@ Batches hold `inputs` [B, T, 80] (normalized log-mel, float16 on the host), `mas
 and the transcript's ids in `targets` [B, T] with `target_mask` (a transcript is padded to the
 frame width: it never outnumbers its frames). SpecAugment: the `augment` hook draws, seeded by
 the step, which frames and mel bins each training row loses (`keep_frames` [B, T],
-`keep_bins` [B, 80]); the model applies them on the device. Evaluation batches have neither key.
+`keep_bins` [B, 80]); the train step applies them on the device (`augment_on_device`).
 """
 
 from __future__ import annotations
@@ -37,8 +37,7 @@ from core.config import Config, ModelConfig, OptimConfig, TrainConfig, require
 from core.data import bucket_width
 from core.errors import UserError
 from core.frontends import ConvSubsampling
-from core.task import PredictOption, Task
-from core.transformer import Model, Transformer
+from core.task import PredictOption, Task, final
 from tasks.speech import corpus
 from tasks.speech.featurizer import SpeechFeaturizer, fit_featurizer
 from tasks.speech.scoring import NORMALIZATION, grouped_error_rates
@@ -130,18 +129,7 @@ class CTCHead(nnx.Module):
         return CTCOutputs(self.linear(hidden).astype(jnp.float32), mask)
 
 
-class SpeechModel(Model):
-    """The default composition, with SpecAugment's masks (training batches only) applied to the
-    frames on the device before the front end."""
-
-    def __call__(self, batch: dict, *, dropout_key: jax.Array | None = None):
-        if "keep_frames" in batch:
-            inputs = batch["inputs"]
-            keep = batch["keep_frames"][:, :, None] & batch["keep_bins"][:, None, :]
-            batch = {**batch, "inputs": jnp.where(keep, inputs, 0).astype(inputs.dtype)}
-        return super().__call__(batch, dropout_key=dropout_key)
-
-
+@final
 @dataclass(frozen=True, kw_only=True)
 class SpeechTask(Task):
     name: ClassVar[str] = "speech"
@@ -193,11 +181,6 @@ class SpeechTask(Task):
 
     def load_featurizer(self, directory: Path) -> SpeechFeaturizer:
         return SpeechFeaturizer.load(directory, self.config.data)
-
-    def model(self, featurizer: SpeechFeaturizer, config: Config, rngs: nnx.Rngs) -> nnx.Module:
-        embedder = self.embedder(featurizer, rngs)
-        body = Transformer(config.model, remat=config.train.remat, rngs=rngs)
-        return SpeechModel(embedder, body, self.head(featurizer, embedder, rngs))
 
     def embedder(self, featurizer: SpeechFeaturizer, rngs: nnx.Rngs) -> nnx.Module:
         options = self.config.data
@@ -261,6 +244,12 @@ class SpeechTask(Task):
                 start = int(rng.integers(0, max(int(lengths[row]) - width, 0) + 1))
                 keep_frames[row, start : start + width] = False
         return {**batch, "keep_frames": keep_frames, "keep_bins": keep_bins}
+
+    def augment_on_device(self, batch: dict) -> dict:
+        """The masks of `augment` applied to the frames: zero where a row loses a frame or a bin."""
+        inputs = batch["inputs"]
+        keep = batch["keep_frames"][:, :, None] & batch["keep_bins"][:, None, :]
+        return {**batch, "inputs": jnp.where(keep, inputs, 0).astype(inputs.dtype)}
 
     def generate(self, model, featurizer: SpeechFeaturizer, examples, options: dict, on_text=None) -> dict:
         """Transcripts of the examples: greedy (`beam_width` 1) or CTC prefix beam search over

@@ -19,14 +19,15 @@ offending line or file named (the first five): no clip is silently skipped.
 from __future__ import annotations
 
 import json
-import zlib
 from pathlib import Path
 
 import numpy as np
 
 from core.errors import UserError
+from tasks.common.splits import hash_split
+from tasks.common.tables import read_file, read_hub, require_columns
 from tasks.speech import audio as audio_lib
-from tasks.speech.corpus import cache_root
+from tasks.speech.corpus import SHARES, cache_root
 from tasks.speech.featurizer import clip, example_key
 from tasks.speech.scoring import normalize, pocketsphinx_transcripts
 
@@ -52,11 +53,6 @@ def load_user_data(spec: str, options) -> dict[str, list[dict]]:
     for example in examples:
         splits[example.pop("split")].append(example)
     return splits
-
-
-def _hash_split(name: str) -> str:
-    bucket = zlib.crc32(name.encode()) % 20
-    return "test" if bucket == 0 else "valid" if bucket == 1 else "train"
 
 
 def _file_example(path: Path, text: str, where: str, split: str) -> dict:
@@ -90,14 +86,12 @@ def _folder(folder: Path) -> list[dict]:
         if not text:
             empty.append(str(path.with_suffix(".txt")))
         name = str(path.relative_to(folder))
-        examples.append(_file_example(path, text, str(path), _hash_split(name)))
+        examples.append(_file_example(path, text, str(path), hash_split(name, SHARES)))
     _report(empty, "transcript file(s) are empty")
     return examples
 
 
 def _manifest(path: Path, audio_column: str, text_column: str) -> list[dict]:
-    from tasks.nlp.data import read_file, require_columns
-
     table = read_file(path)
     require_columns(table, {"data.audio_column": audio_column, "data.text_column": text_column}, str(path))
     # Line numbers as an editor shows them: CSV and TSV have a header line, JSON lines none.
@@ -117,7 +111,7 @@ def _manifest(path: Path, audio_column: str, text_column: str) -> list[dict]:
         if not text:
             problems.append(f"{where}: empty transcript")
             continue
-        split = _hash_split(name) if splits is None else SPLIT_NAMES.get(str(splits[row]).strip().lower())
+        split = hash_split(name, SHARES) if splits is None else SPLIT_NAMES.get(str(splits[row]).strip().lower())
         if split is None:
             problems.append(f"{where}: split {splits[row]!r} is not one of {', '.join(SPLIT_NAMES)}")
             continue
@@ -131,8 +125,6 @@ def _manifest(path: Path, audio_column: str, text_column: str) -> list[dict]:
 def _hub(name: str, audio_column: str, text_column: str) -> list[dict]:
     """A hub dataset's splits (train, validation or valid, test) with decoded audio."""
     import librosa
-
-    from tasks.nlp.data import read_hub, require_columns
 
     local = f"a manifest ({', '.join(MANIFESTS)}) or a folder of audio files with .txt transcripts"
     dataset = read_hub(name, local)

@@ -85,7 +85,7 @@ class SpeechFeaturizer:
         state = json.loads((directory / "speech.json").read_text())
         tokenizer = None
         if state["units"] == "pieces":
-            from tasks.nlp.tokenizer import Tokenizer
+            from tasks.common.tokenizer import Tokenizer
 
             tokenizer = Tokenizer.load(directory)
         return cls(
@@ -202,7 +202,7 @@ def fit_featurizer(train: Sequence[dict], options) -> SpeechFeaturizer:
     stacked = np.concatenate(raw_frames(chosen, options.max_seconds))
     tokenizer = None
     if options.units == "pieces":
-        from tasks.nlp.tokenizer import Tokenizer
+        from tasks.common.tokenizer import Tokenizer
 
         tokenizer = Tokenizer.train((e["text"] for e in train), options.vocab_size)
     return SpeechFeaturizer(
