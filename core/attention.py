@@ -191,7 +191,7 @@ def cached_attention(q, k, v, cached_keys, cached_values, lengths):
 
 def memory_attention(q, keys, values, mask):
     """Queries q [B, T, N, H] over an encoder's keys [B, K, S, H] and values [B, K, H, S], laid
-    out as a decoding cache is (see `core.transformer.KeyValues`), mask [B, S] true at real
+    out as a decoding cache is (see `core.cache.KeyValues`), mask [B, S] true at real
     positions -> [B, T, N, H]. The decoding form of cross-attention: a grouped softmax that reads
     the keys and values as they lie, as `cached_attention` reads its cache."""
     B, T, N, H = q.shape

@@ -15,6 +15,7 @@ n-grams may be banned (`no_repeat_ngram`; see core/penalties.py).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import jax
@@ -58,20 +59,84 @@ def beam_search(
         raise UserError(f"beam_size={W} needs a vocabulary of at least {2 * W} tokens, not {V}.")
     if alpha < 0:
         raise UserError(f"length_penalty={alpha} must be >= 0.")
-    stops = jnp.asarray(stop_tokens, jnp.int32)
-    offsets = (jnp.arange(B) * W)[:, None]
+    search = _Search(
+        step=step,
+        rows=B,
+        beams=W,
+        max_new_tokens=M,
+        vocabulary=V,
+        alpha=alpha,
+        stops=jnp.asarray(stop_tokens, jnp.int32),
+        offsets=(jnp.arange(B) * W)[:, None],
+        no_repeat_ngram=no_repeat_ngram,
+        word_reward=word_reward,
+    )
+    carry = search.start(state, logits)
+    index, (alive_tokens, alive_scores), finished, _, _ = jax.lax.while_loop(search.running, search.body, carry)
+    lengths = jnp.full((B, W), index, jnp.int32)
+    tokens, lengths, scores = _best(W, finished, (alive_tokens, lengths, alive_scores / gnmt_penalty(index, alpha)))
+    return Beams(tokens, lengths, scores)
 
-    def select(index, logits, alive, finished):
+
+@dataclass(frozen=True, eq=False)
+class _Search:
+    """One search over B `rows` of W `beams`, at most M new tokens from a vocabulary of V.
+
+    Its loop carries (index, alive, finished, last tokens [B * W], state): alive = (tokens
+    [B, W, M], log-probabilities [B, W]) and finished = (tokens, lengths, normalised scores) of
+    the W best ended beams of each row, both best first. `offsets` [B, 1] turn a row's beam
+    into its flat row of the state."""
+
+    step: Any
+    rows: int
+    beams: int
+    max_new_tokens: int
+    vocabulary: int
+    alpha: float
+    stops: jax.Array
+    offsets: jax.Array
+    no_repeat_ngram: int
+    word_reward: float
+
+    def start(self, state, logits):
+        """The carry after the first new token, from the prompt's `state` and `logits` [B, V]."""
+        B, W, M = self.rows, self.beams, self.max_new_tokens
+        # Every beam starts as a copy of its row; only the first is alive, so that the first step
+        # does not pick the same token W times.
+        state = jax.tree.map(lambda x: jnp.repeat(x, W, axis=0), state)
+        alive = (jnp.zeros((B, W, M), jnp.int32), jnp.where(jnp.arange(W) == 0, 0.0, -jnp.inf)[None].repeat(B, 0))
+        finished = (jnp.zeros((B, W, M), jnp.int32), jnp.zeros((B, W), jnp.int32), jnp.full((B, W), -jnp.inf))
+        alive, finished, parents, last = self.select(0, jnp.repeat(logits, W, axis=0), alive, finished)
+        return jnp.int32(1), alive, finished, last, _reorder(state, parents)
+
+    def body(self, carry):
+        index, alive, finished, last, state = carry
+        logits, state = self.step(state, last)
+        alive, finished, parents, last = self.select(index, logits, alive, finished)
+        return index + 1, alive, finished, last, _reorder(state, parents)
+
+    def running(self, carry):
+        M, alpha = self.max_new_tokens, self.alpha
+        index, (_, alive_scores), (_, _, finished_scores) = carry[:3]
+        # Log-probabilities only fall, the word reward adds at most r per token left and the
+        # penalty lies between its values now (what an alive beam scores if the loop stops
+        # here) and at M: an upper bound.
+        most = alive_scores[:, 0] + max(self.word_reward, 0.0) * (M - index)
+        best_alive = most / jnp.where(most < 0, gnmt_penalty(M, alpha), gnmt_penalty(index, alpha))
+        return (index < M) & ~jnp.all(finished_scores[:, -1] >= best_alive)
+
+    def select(self, index, logits, alive, finished):
         """Extends the alive beams by one token (the `index`-th) and sorts the candidates into
         alive and finished; -> alive, finished, flat parent of each new beam [B * W], its token."""
+        B, W, M, V = self.rows, self.beams, self.max_new_tokens, self.vocabulary
         alive_tokens, alive_scores = alive
         log_probs = penalties.adjust(
             jax.nn.log_softmax(logits, axis=-1),
             alive_tokens.reshape(B * W, M),
             index,
-            stops,
-            no_repeat_ngram,
-            word_reward,
+            self.stops,
+            self.no_repeat_ngram,
+            self.word_reward,
         ).reshape(B, W, V)
         candidates = (alive_scores[:, :, None] + log_probs).reshape(B, W * V)
         # 2W candidates: even if W of them stop, W others stay alive.
@@ -79,43 +144,18 @@ def beam_search(
         parents, tokens = chosen // V, (chosen % V).astype(jnp.int32)
         sequences = jnp.take_along_axis(alive_tokens, parents[:, :, None], axis=1)  # [B, 2W, M]
         sequences = jax.lax.dynamic_update_slice(sequences, tokens[:, :, None], (0, 0, index))
-        stopped = jnp.isin(tokens, stops)
-        ended = jnp.where(stopped, scores / gnmt_penalty(index + 1, alpha), -jnp.inf)
+        stopped = jnp.isin(tokens, self.stops)
+        ended = jnp.where(stopped, scores / gnmt_penalty(index + 1, self.alpha), -jnp.inf)
         finished = _best(W, finished, (sequences, jnp.full((B, 2 * W), index + 1, jnp.int32), ended))
         alive_scores, order = jax.lax.top_k(jnp.where(stopped, -jnp.inf, scores), W)
         alive = (jnp.take_along_axis(sequences, order[:, :, None], axis=1), alive_scores)
-        parents = (jnp.take_along_axis(parents, order, axis=1) + offsets).reshape(-1)
+        parents = (jnp.take_along_axis(parents, order, axis=1) + self.offsets).reshape(-1)
         return alive, finished, parents, jnp.take_along_axis(tokens, order, axis=1).reshape(-1)
 
-    def reorder(state, parents):
-        return jax.tree.map(lambda x: x[parents], state)
 
-    def body(carry):
-        index, alive, finished, last, state = carry
-        logits, state = step(state, last)
-        alive, finished, parents, last = select(index, logits, alive, finished)
-        return index + 1, alive, finished, last, reorder(state, parents)
-
-    def running(carry):
-        index, (_, alive_scores), (_, _, finished_scores) = carry[:3]
-        # Log-probabilities only fall, the word reward adds at most r per token left and the
-        # penalty lies between its values now (what an alive beam scores if the loop stops
-        # here) and at M: an upper bound.
-        most = alive_scores[:, 0] + max(word_reward, 0.0) * (M - index)
-        best_alive = most / jnp.where(most < 0, gnmt_penalty(M, alpha), gnmt_penalty(index, alpha))
-        return (index < M) & ~jnp.all(finished_scores[:, -1] >= best_alive)
-
-    # Every beam starts as a copy of its row; only the first is alive, so that the first step
-    # does not pick the same token W times.
-    state = jax.tree.map(lambda x: jnp.repeat(x, W, axis=0), state)
-    alive = (jnp.zeros((B, W, M), jnp.int32), jnp.where(jnp.arange(W) == 0, 0.0, -jnp.inf)[None].repeat(B, 0))
-    finished = (jnp.zeros((B, W, M), jnp.int32), jnp.zeros((B, W), jnp.int32), jnp.full((B, W), -jnp.inf))
-    alive, finished, parents, last = select(0, jnp.repeat(logits, W, axis=0), alive, finished)
-    carry = (jnp.int32(1), alive, finished, last, reorder(state, parents))
-    index, (alive_tokens, alive_scores), finished, _, _ = jax.lax.while_loop(running, body, carry)
-    lengths = jnp.full((B, W), index, jnp.int32)
-    tokens, lengths, scores = _best(W, finished, (alive_tokens, lengths, alive_scores / gnmt_penalty(index, alpha)))
-    return Beams(tokens, lengths, scores)
+def _reorder(state, parents):
+    """Each new beam's state: its parent's, from the flat rows `parents` [B * W]."""
+    return jax.tree.map(lambda x: x[parents], state)
 
 
 def _best(count, *groups):

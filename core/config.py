@@ -195,6 +195,13 @@ class TrainConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """The base of every task's own `data` options (its `data_type`): a frozen, keyword-only
+    dataclass whose rules `__post_init__` checks with `require`, set with `--set data.KEY=VALUE`;
+    a family of tasks shares a base of its own on top (`tasks.protein.base.ProteinData`)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class Config:
     """One run: which task and preset, the shared sections and the task's own `data` options."""
 
@@ -203,7 +210,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    data: Any = None
+    data: DataConfig | None = None
 
     def __post_init__(self):
         # jax.nn.dot_product_attention's cuDNN kernel runs bf16 and fp16 only.
@@ -336,3 +343,38 @@ def _check(value: Any, hint: Any, where: str) -> Any:
         return value
     name = getattr(hint, "__name__", str(hint))
     raise UserError(f"{where}: expected {name}, got {value!r}.")
+
+
+def tiny_body(max_len: int, **more: Any) -> ModelConfig:
+    """The body of a `tiny_preset`: one block of width 32, two heads, no dropout."""
+    return ModelConfig(d_model=32, num_layers=1, num_heads=2, mlp_dim=64, max_len=max_len, dropout=0.0, **more)
+
+
+def tiny_preset(
+    task: str,
+    model: ModelConfig,
+    data: DataConfig,
+    *,
+    learning_rate: float = 3e-3,
+    weight_decay: float = 0.01,
+    eval_batch_size: int = 64,
+    warmup_steps: int = 5,
+    log_every: int = 5,
+) -> Config:
+    """Every task's `tiny` preset, for tests: 20 steps of 16 rows, validation and checkpoints
+    every 10 steps."""
+    return Config(
+        task=task,
+        preset="tiny",
+        model=model,
+        optim=OptimConfig(learning_rate=learning_rate, warmup_steps=warmup_steps, weight_decay=weight_decay),
+        train=TrainConfig(
+            batch_size=16,
+            eval_batch_size=eval_batch_size,
+            steps=20,
+            eval_every=10,
+            checkpoint_every=10,
+            log_every=log_every,
+        ),
+        data=data,
+    )

@@ -10,7 +10,7 @@ and a resumed run sees exactly the batches the uninterrupted run would have.
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import numpy as np
@@ -98,6 +98,18 @@ def bucket_width(length: int, cap: int) -> int:
         if 3 * width // 4 >= length:
             width = 3 * width // 4
     return max(1, min(width, cap))
+
+
+def decoding_batches(lengths: Sequence[int], batch_size: int, cap: int) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
+    """Batches for decoding rows of many lengths in few compiled shapes: the rows sorted by length
+    (stably), `batch_size` at a time, as (the rows, the rows padded to `batch_size` with copies of
+    the first, so that every batch has one shape, and the `bucket_width` of the longest)."""
+    lengths = np.asarray(lengths)
+    order = np.argsort(lengths, kind="stable")
+    for start in range(0, len(order), batch_size):
+        rows = order[start : start + batch_size]
+        padded = np.concatenate([rows, np.repeat(rows[:1], batch_size - len(rows))])
+        yield rows, padded, bucket_width(int(lengths[rows].max()), cap)
 
 
 def epoch_order(total: int, batch_size: int, rng: np.random.Generator, lengths: np.ndarray | None) -> np.ndarray:

@@ -28,11 +28,12 @@ import numpy as np
 from flax import nnx
 
 from core.beam import Beams, beam_search
+from core.cache import Cache
 from core.config import ModelConfig
 from core.errors import UserError
 from core.generate import COMPILER_OPTIONS, Generation, OnTokens, beam_settings, sample, sampling_and_key, step_logits
-from core.heads import CopyOutput, Source
-from core.transformer import Cache, Transformer
+from core.heads import Source
+from core.transformer import Transformer
 
 
 class DecodeState(NamedTuple):
@@ -74,9 +75,9 @@ class EncoderDecoder(nnx.Module):
 
     @property
     def copies(self) -> bool:
-        """Whether the head reads the source (a `CopyOutput`): the source front end must then
-        be token ids of the target's vocabulary."""
-        return isinstance(self.head, CopyOutput)
+        """Whether the head reads the source (its declared `reads_source`, as `CopyOutput`
+        does): the source front end must then be token ids of the target's vocabulary."""
+        return self.head.reads_source
 
     def source(self, memory: jax.Array, memory_mask: jax.Array, inputs: jax.Array) -> Source | None:
         """The head's view of the source, or None for a head that does not read it."""

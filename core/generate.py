@@ -35,9 +35,10 @@ from jax.experimental import io_callback
 
 from core import penalties
 from core.beam import Beams, beam_search
+from core.cache import Cache
 from core.errors import UserError
 from core.heads import CopyProjection, Projection
-from core.transformer import Cache, Model
+from core.transformer import Model
 
 State = Any
 Step = Callable[[State, jax.Array], tuple[jax.Array, State]]
@@ -195,12 +196,11 @@ def logits_of(model: Model, hidden: jax.Array) -> jax.Array:
     return step_logits(model.head(hidden, jnp.ones(hidden.shape[:2], bool)))
 
 
-def step_logits(outputs: jax.Array | Projection) -> jax.Array:
-    """A head's outputs at one position per row ([B, 1, V], a `Projection` or a
-    `CopyProjection`) -> logits [B, V] in float32."""
-    if isinstance(outputs, (Projection, CopyProjection)):
-        outputs = outputs.logits()
-    return outputs[:, 0].astype(jnp.float32)
+def step_logits(outputs: Projection | CopyProjection) -> jax.Array:
+    """A generating head's outputs at one position per row -> logits [B, V] in float32. A head
+    that generates returns its outputs unmultiplied (`core.heads.Projection` or
+    `CopyProjection`), whose `logits()` a decoding step asks for."""
+    return outputs.logits()[:, 0].astype(jnp.float32)
 
 
 def generate(

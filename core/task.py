@@ -75,6 +75,12 @@ def read_predict_options(declared: Sequence[PredictOption], given: dict[str, str
     return values
 
 
+def scored_positions(batch: Batch) -> jax.Array:
+    """Which target positions a per-position loss or metric counts: `target_mask` [B, T] at the
+    rows that are real (weight > 0), not at those that pad a last partial batch."""
+    return batch["target_mask"] & (batch["weights"][:, None] > 0)
+
+
 class Featurizer(Protocol):
     """Learned preprocessing (tokenizer, label map): fitted on the training split, saved in the
     workdir, and turning examples into a numpy batch."""
@@ -234,9 +240,10 @@ class Task(abc.ABC):
         applying SpecAugment's masks to the frames. The default leaves the batch as it is."""
         return batch
 
-    def augment(self, batch: Batch, rng: np.random.Generator) -> Batch:
+    def augment(self, batch: Batch, rng: np.random.Generator, featurizer: Featurizer) -> Batch:
         """Applied to each global training batch with a generator seeded by (seed, step): random
-        masking, negative sampling. The default leaves the batch as it is."""
+        masking, negative sampling (over the featurizer's vocabulary). The default leaves the
+        batch as it is."""
         return batch
 
     @abc.abstractmethod

@@ -25,14 +25,13 @@ from core import data as data_lib
 from core import pretrained
 from core.checkpoint import Checkpoints
 from core.errors import UserError
+from core.heads import LinearProbe
 from core.pretrained import flatten
-
-# The parts of a `core.transformer.Model` that carry over; the head is the task's own.
-TRANSFERRED = ("embedder.", "body.")
 
 
 def init_from(model: nnx.Module, run_dir: str) -> pretrained.Report:
-    """Fills the embedder and body of `model` from the best checkpoint of the run in `run_dir`."""
+    """Fills the parts of `model` that it declares `transferred` (a `Model`'s embedder and body)
+    from the best checkpoint of the run in `run_dir`."""
     directory = Path(run_dir)
     if not (directory / "config.json").is_file():
         raise UserError(f"--init-from {run_dir}: no trained run there (no config.json).")
@@ -43,9 +42,10 @@ def init_from(model: nnx.Module, run_dir: str) -> pretrained.Report:
     finally:
         checkpoints.close()
     everything = flatten(restored.value)
-    saved = {k: v for k, v in everything.items() if k.startswith(TRANSFERRED)}
+    transferred = tuple(f"{part}." for part in model.transferred)  # declared by the model
+    saved = {k: v for k, v in everything.items() if k.startswith(transferred)}
     params = pretrained.flat_params(model)
-    wanted = {k: v for k, v in params.items() if k.startswith(TRANSFERRED)}
+    wanted = {k: v for k, v in params.items() if k.startswith(transferred)}
     problems = [
         f"{name} is {list(saved[name].shape)} there, {list(wanted[name].shape)} here"
         for name in sorted(saved.keys() & wanted.keys())
@@ -78,12 +78,12 @@ def _probe_rows(model: nnx.Module, batch: dict) -> tuple:
     return model.head.probe_rows(model.body(x, mask), mask, batch)
 
 
-def fit_probe(model: nnx.Module, task, arrays: dict[str, np.ndarray], batch_size: int, seed: int) -> str:
+def fit_probe(model: nnx.Module, task, featurizer, arrays: dict[str, np.ndarray], batch_size: int, seed: int) -> str:
     """Sets the head's linear layer to `linear_probe` of the loaded trunk's features of up to
     PROBE_ROWS training rows, as training sees them (the task's `augment` applied once) but
     without dropout. Returns a line for the log."""
     head = model.head
-    if not hasattr(head, "probe_rows"):
+    if not isinstance(head, LinearProbe):
         raise UserError(
             f"model.head_init=probe fits a linear head on pooled features; {task.name}'s head "
             f"({type(head).__name__}) is not one."
@@ -92,7 +92,7 @@ def fit_probe(model: nnx.Module, task, arrays: dict[str, np.ndarray], batch_size
     parts = []
     for start in range(0, total, batch_size):
         rows = data_lib.take(arrays, np.arange(start, min(start + batch_size, total)))
-        batch = task.augment(rows, np.random.default_rng((seed, start)))
+        batch = task.augment(rows, np.random.default_rng((seed, start)), featurizer)
         parts.append([np.asarray(part) for part in _probe_rows(model, {k: jnp.asarray(v) for k, v in batch.items()})])
     features, targets, weights = (np.concatenate(column) for column in zip(*parts))
     kernel, bias, accuracy = linear_probe(features, targets, weights, head.linear.bias.shape[0])

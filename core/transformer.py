@@ -11,7 +11,8 @@ functions of (parameters, batch, key).
 A causal body also decodes (see `core.generate`). `prefill` runs the prompts as the training
 forward does and keeps every layer's keys and values in a preallocated `Cache`; `extend` runs a
 few new tokens per row after the cached ones, at each row's own positions, and writes theirs.
-The cache is a plain pytree passed in and returned, so that decode steps are pure functions.
+The cache (core/cache.py) is a plain pytree passed in and returned, so that decode steps are pure
+functions.
 
 A body built with `cross_attention=True` is the decoder of an encoder-decoder: each block is
 self-attention, then cross-attention over the encoder's outputs (the memory [B, S, D] and its
@@ -22,13 +23,14 @@ values of the memory once; they ride in the cache (`Cache.memory`) beside the de
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from core.attention import attention, cached_attention, memory_attention
+from core.cache import Cache, KeyValues, Memory, write
 from core.config import ModelConfig
 
 
@@ -113,54 +115,6 @@ class Dense(nnx.Module):
         if self.bias is not None:
             y = y + self.bias[...].astype(x.dtype).reshape((1,) * (y.ndim - 1) + (-1,))
         return y
-
-
-class KeyValues(NamedTuple):
-    """One layer's cache: keys (after rotary) [B, K, S, H] and values [B, K, H, S]; slot s holds
-    position s.
-
-    Laid out so that a decode step's attention reads the cache as it lies, as two matrix-vector
-    products per head that each run along rows of memory: with [B, S, K, H] XLA copied both
-    into these orders at every step and layer, which halved decoding speed at batch 8.
-    """
-
-    keys: jax.Array
-    values: jax.Array
-
-
-def write(cache: KeyValues, k: jax.Array, v: jax.Array, positions: jax.Array | None) -> KeyValues:
-    """`cache` with keys and values k, v [B, T, K, H] in the slots of their `positions` [B, T]
-    (None: the first T slots, as a prefill writes them)."""
-    keys, values = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 3, 1)  # [B, K, T, H], [B, K, H, T]
-    if positions is None:
-        return KeyValues(
-            jax.lax.dynamic_update_slice(cache.keys, keys.astype(cache.keys.dtype), (0, 0, 0, 0)),
-            jax.lax.dynamic_update_slice(cache.values, values.astype(cache.values.dtype), (0, 0, 0, 0)),
-        )
-    # Each row writes at its own positions: a scatter, in place inside a loop or a donated step.
-    rows = jnp.arange(k.shape[0])[:, None]
-    return KeyValues(
-        cache.keys.at[rows, :, positions].set(k.astype(cache.keys.dtype)),
-        cache.values.at[rows, :, :, positions].set(v.astype(cache.values.dtype)),
-    )
-
-
-class Memory(NamedTuple):
-    """An encoder's outputs as a decoder's cross-attention reads them: every layer's keys and
-    values of the memory (`KeyValues`, slot s holding source position s) and its mask [B, S]."""
-
-    layers: tuple[KeyValues, ...]
-    mask: jax.Array
-
-
-class Cache(NamedTuple):
-    """Every layer's `KeyValues` and `lengths` [B]: the positions each row holds so far; for a
-    decoder with cross-attention, also the `Memory` it attends to (None: a decoder-only body,
-    whose cache then holds nothing more than before)."""
-
-    layers: tuple[KeyValues, ...]
-    lengths: jax.Array
-    memory: Memory | None = None
 
 
 class Attention(nnx.Module):
@@ -418,6 +372,10 @@ class Model(nnx.Module):
     the length, a strided convolution over speech frames shortens it and returns the mask of
     the frames it kept. The body and the head see the front end's mask.
     """
+
+    # The parts that another run's weights fill (`--init-from`, as Hugging Face's
+    # `base_model_prefix` names them): the front end and the body; the head is the task's own.
+    transferred: ClassVar[tuple[str, ...]] = ("embedder", "body")
 
     def __init__(self, embedder: nnx.Module, body: Transformer, head: nnx.Module):
         self.embedder = embedder

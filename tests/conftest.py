@@ -1,5 +1,11 @@
-"""Test set-up: eight simulated CPU devices, set before JAX starts, and strict rank promotion."""
+"""Test set-up: eight simulated CPU devices, set before JAX starts, and strict rank promotion;
+and the helpers several test files share, imported as `from conftest import apps, plain`.
 
+(tests/multiprocess_worker.py sets its own device count: test_multiprocess.py, which it imports,
+must not import this module.)
+"""
+
+import logging
 import os
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -7,10 +13,42 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+from typer.testing import CliRunner, Result  # noqa: E402
+
+from cli import app  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
+# A small shared body for the core's tests: two blocks, four heads, sixteen positions.
+TINY_BODY = dict(d_model=32, num_layers=2, num_heads=4, mlp_dim=64, max_len=16, dropout=0.0)
+
+RUNNER = CliRunner()
+
+
+def apps(*args, input: str | None = None, env: dict | None = None) -> Result:
+    """`apps ARGS...` through Typer's runner; paths and numbers may be given as they are."""
+    return RUNNER.invoke(app, [str(a) for a in args], input=input, env=env)
+
+
+def plain(text: str) -> str:
+    """The text with each run of whitespace one space: rich wraps long messages at any space."""
+    return " ".join(text.split())
+
+
+def table_rows(output: str) -> list[list[str]]:
+    """The body rows of the rich tables in `output`, as lists of cell texts."""
+    return [[cell.strip() for cell in line.strip("│ ").split("│")] for line in output.splitlines() if "│" in line]
+
 
 @pytest.fixture
-def workdir(tmp_path):
-    return tmp_path / "run"
+def apps_log(caplog, monkeypatch):
+    """`caplog`, listening on the "apps" logger itself from INFO up.
+
+    The CLI stops that logger propagating to the root, where caplog listens; here it never
+    propagates, so each record is captured once whether or not a CLI command ran before."""
+    logger = logging.getLogger("apps")
+    monkeypatch.setattr(logger, "propagate", False)
+    caplog.set_level(logging.INFO, logger="apps")
+    logger.addHandler(caplog.handler)
+    yield caplog
+    logger.removeHandler(caplog.handler)

@@ -3,7 +3,6 @@ checkpoint and ends where an uninterrupted run ends; unreadable checkpoints are 
 warning, never loaded; `best/` and evaluation hold parameters only; throughput counts steps alone."""
 
 import json
-import logging
 import os
 import signal
 import subprocess
@@ -15,8 +14,8 @@ import jax
 import numpy as np
 import pytest
 
+from core import hooks as hooks_lib
 from core import run
-from core import train as train_lib
 from core.checkpoint import Checkpoints
 from tasks.nlp.sentiment import SentimentTask
 
@@ -49,15 +48,6 @@ def straight(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("straight") / "run"
     train(workdir)
     return workdir
-
-
-@pytest.fixture
-def apps_log(caplog):
-    # The CLI may have set the "apps" logger not to propagate; listen on it directly.
-    logger = logging.getLogger("apps")
-    logger.addHandler(caplog.handler)
-    yield caplog
-    logger.removeHandler(caplog.handler)
 
 
 def truncate(directory: Path) -> int:
@@ -102,7 +92,7 @@ def test_throughput_counts_steps_alone(tmp_path, monkeypatch):
     # A clock that jumps 1,000 s during every checkpoint save: were saves counted, throughput
     # would fall below 16 * 2 / 1000 examples/s in the windows that hold one.
     offset = [0.0]
-    monkeypatch.setattr(train_lib.time, "perf_counter", lambda clock=time.perf_counter: clock() + offset[0])
+    monkeypatch.setattr(hooks_lib.time, "perf_counter", lambda clock=time.perf_counter: clock() + offset[0])
     save = Checkpoints.save
 
     def slow_save(self, step, state):

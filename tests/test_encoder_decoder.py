@@ -4,18 +4,18 @@ carry over (greedy, beams, batching), and a tiny model learns to reverse a batch
 
 import re
 import time
-from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import TINY_BODY as SETTINGS
 from flax import nnx
 
 from core import losses
 from core.attention import attention, library_arguments, memory_attention
-from core.config import Config, ModelConfig
+from core.config import ModelConfig
 from core.encoder_decoder import (
     DecodeState,
     EncoderDecoder,
@@ -27,12 +27,9 @@ from core.encoder_decoder import (
 )
 from core.errors import UserError
 from core.heads import CopyOutput, CopyProjection, TiedOutput, TokenEmbedder
-from core.task import Task
-from core.train import build_model
 from core.transformer import Transformer
 
 VOCAB, BOS, EOS = 40, 1, 2
-SETTINGS = dict(d_model=32, num_layers=2, num_heads=4, mlp_dim=64, max_len=16, dropout=0.0)
 SOURCES = [[5, 9, 12, 3, 30], [8, 8, 21, 4, 17, 26, 11, 19, 6], [33, 14]]
 
 
@@ -323,28 +320,6 @@ def test_the_stacks_and_their_settings_are_checked():
     features, mask = prepare_sources(model, [np.ones((3, 5), np.float32), np.ones((1, 5), np.float32)], 2)
     assert features.shape == (2, 3, 5) and features.dtype == np.float32
     np.testing.assert_array_equal(mask, [[True, True, True], [True, False, False]])
-
-
-@dataclass(frozen=True, kw_only=True)
-class Seq2Seq(Task):
-    """Just enough of a task to show the `model` hook."""
-
-    config: Config
-    data: str | None = None
-
-    def model(self, featurizer, config, rngs):
-        embedder = TokenEmbedder(VOCAB, config.model.d_model, rngs=rngs)
-        return EncoderDecoder.build(config.model, embedder, embedder, TiedOutput(embedder), rngs=rngs)
-
-
-def test_a_task_may_build_its_own_model():
-    config = Config(task="seq2seq", preset="tiny", model=ModelConfig(**SETTINGS))
-    model = build_model(Seq2Seq(config=config), None, config)
-    assert isinstance(model, EncoderDecoder)
-    # The same seed gives the same parameters as building it by hand.
-    expected = nnx.state(encoder_decoder(), nnx.Param)
-    for a, b in zip(jax.tree.leaves(nnx.state(model, nnx.Param)), jax.tree.leaves(expected)):
-        np.testing.assert_array_equal(a, b)
 
 
 def test_rematerialized_stacks_give_the_same_gradients():

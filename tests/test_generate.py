@@ -1,12 +1,11 @@
 """Generation: cached decoding equals the full forward pass, and the engine's choices are exact
 (greedy, top-k, top-p, seeds, stop tokens, batching, streaming, beam search)."""
 
-import logging
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import TINY_BODY
 from flax import nnx
 
 from core.beam import beam_search, gnmt_penalty
@@ -22,10 +21,10 @@ PROMPTS = [[3, 14, 15], [9, 2, 6, 5, 35, 8, 9], [27]]
 
 
 def language_model(**changes) -> Model:
-    settings = dict(d_model=32, num_layers=2, num_heads=4, mlp_dim=64, max_len=24, dropout=0.0, causal=True)
+    config = ModelConfig(**{**TINY_BODY, "max_len": 24, "causal": True, **changes})
     rngs = nnx.Rngs(0)
-    embedder = TokenEmbedder(VOCAB, 32, rngs=rngs)
-    return Model(embedder, Transformer(ModelConfig(**{**settings, **changes}), rngs=rngs), TiedOutput(embedder))
+    embedder = TokenEmbedder(VOCAB, config.d_model, rngs=rngs)
+    return Model(embedder, Transformer(config, rngs=rngs), TiedOutput(embedder))
 
 
 @pytest.fixture(scope="module")
@@ -216,11 +215,10 @@ def test_beam_search_finds_what_greedy_misses():
     assert float(beams.scores[0, 0]) == pytest.approx(np.log(0.4) / gnmt_penalty(3, 0.6), abs=1e-4)
 
 
-def test_too_long_prompts_are_cut_on_the_left(model, caplog):
+def test_too_long_prompts_are_cut_on_the_left(model, apps_log):
     long = list(range(1, 23))  # 22 tokens; with 4 new ones, max_len=24 leaves room for 20
-    with caplog.at_level(logging.WARNING, logger="apps"):
-        cut = generate(model, [long], max_new_tokens=4)
-    assert "keeping its last 20" in caplog.text
+    cut = generate(model, [long], max_new_tokens=4)
+    assert "keeping its last 20" in apps_log.text
     np.testing.assert_array_equal(cut.tokens, generate(model, [long[-20:]], max_new_tokens=4).tokens)
     with pytest.raises(UserError, match="max_new_tokens=24 leaves no room"):
         generate(model, PROMPTS, max_new_tokens=24)

@@ -1,20 +1,17 @@
 """The lm task: packing predicts every piece and EOS exactly once, the n-gram baselines score the
 same predictions, bits per character by hand, generation through the CLI, and bad input."""
 
-import logging
 import math
 
 import numpy as np
 import pytest
-from typer.testing import CliRunner
+from conftest import apps, plain
 
-from cli import app
 from core import run
 from core.errors import UserError
+from core.generate import generate_beams
+from tasks.common.tokenizer import BOS, EOS, PAD
 from tasks.nlp.lm import LanguageModel, LMFeaturizer, LMTask, characters, tiny
-from tasks.nlp.tokenizer import BOS, EOS, PAD
-
-runner = CliRunner()
 
 
 @pytest.fixture(scope="module")
@@ -80,23 +77,24 @@ def test_bad_corpus_is_named(tmp_path, args, message):
     (tmp_path / "table.csv").write_text("text\nsome words\n")
     paths = {"folder": tmp_path / "folder", "empty": tmp_path / "empty.txt", "table": tmp_path / "table.csv"}
     args = [a.format(**paths) for a in args]
-    result = runner.invoke(app, [*args, "--preset", "tiny", "--workdir", str(tmp_path / "run")])
-    assert result.exit_code == 1 and message in " ".join(result.output.split()), result.output
+    result = apps(*args, "--preset", "tiny", "--workdir", tmp_path / "run")
+    assert result.exit_code == 1 and message in plain(result.output), result.output
     assert "Traceback" not in result.output
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("lm") / "run"
-    args = ["train", "lm", "--preset", "tiny", "--data", "synthetic", "--workdir", str(workdir)]
-    result = runner.invoke(app, [*args, "--set", "train.steps=40"])
+    result = apps(
+        "train", "lm", "--preset", "tiny", "--data", "synthetic", "--workdir", workdir, "--set", "train.steps=40"
+    )
     assert result.exit_code == 0, result.output
     return workdir
 
 
 def test_streamed_continuation_is_the_tabled_one(trained):
     greedy = ["--max-new-tokens", "12", "--temperature", "0"]
-    streamed = runner.invoke(app, ["predict", "lm", "The cat", "--workdir", str(trained), *greedy])
+    streamed = apps("predict", "lm", "The cat", "--workdir", trained, *greedy)
     assert streamed.exit_code == 0, streamed.output
     rows = run.predict(LMTask, trained, ["The cat", "The dogs"], {"--max-new-tokens": "12", "--temperature": "0"})
     assert [row["prompt"] for row in rows] == ["The cat", "The dogs"]
@@ -110,9 +108,26 @@ def test_python_generation_on_a_loaded_run(trained):
     texts = model.generate(["The cat", "The dogs"], max_new_tokens=12, temperature=0)
     rows = run.predict(LMTask, trained, ["The cat", "The dogs"], {"--max-new-tokens": "12", "--temperature": "0"})
     assert texts == [row["continuation"] for row in rows]
-    # Beam search goes through the same call (its quality is tested in test_generate).
-    assert len(model.generate(["The cat"], max_new_tokens=8, beams=2)) == 1
-    with pytest.raises(UserError, match="Unknown generation options \\['temp'\\]"):
+    # Greedy text is the argmax continuation, one full forward pass (no cache) per new piece,
+    # until EOS, decoded after its prompt.
+    featurizer = model.loaded.featurizer
+    for text, prompt in zip(texts, ["The cat", "The dogs"]):
+        start = [BOS, *featurizer.pieces([{"text": prompt}])[0]]
+        ids = list(start)
+        while len(ids) < len(start) + 12:
+            tokens = np.asarray([ids], np.int32)
+            best = int(np.argmax(model.model({"inputs": tokens, "mask": tokens >= 0}).logits()[0, -1]))
+            if best == EOS:
+                break
+            ids.append(best)
+        assert text == featurizer.continuation(start, ids[len(start) :]), prompt
+    # beams=2 is the beam search of width 2 (its quality is tested in test_generate): the text of
+    # its best beam, whose EOS ends it.
+    start = [BOS, *featurizer.pieces([{"text": "The cat"}])[0]]
+    beams = generate_beams(model.model, [start], beam_size=2, max_new_tokens=8, stop_tokens=(EOS,))
+    best = [int(t) for t in beams.tokens[0, 0, : beams.lengths[0, 0]] if t != EOS]
+    assert model.generate(["The cat"], max_new_tokens=8, beams=2) == [featurizer.continuation(start, best)]
+    with pytest.raises(UserError, match="lm predictions take no temp; the options are max_new_tokens"):
         model.generate(["The cat"], temp=0.5)
 
 
@@ -125,18 +140,13 @@ def test_generation_mistakes_are_named(trained, tmp_path):
         (["predict", "lm", "--size", "3"], "does not take --size"),
     ]
     for args, message in cases:
-        result = runner.invoke(app, [*args, "The cat", "--workdir", str(trained)])
-        assert result.exit_code == 1 and message in " ".join(result.output.split()), result.output
+        result = apps(*args, "The cat", "--workdir", trained)
+        assert result.exit_code == 1 and message in plain(result.output), result.output
         assert result.output.startswith("Error:"), result.output  # nothing streamed before the message
-    result = runner.invoke(app, ["predict", "lm", "--workdir", str(trained)], input="  \n")
+    result = apps("predict", "lm", "--workdir", trained, input="  \n")
     assert result.exit_code == 1 and "at least one non-empty prompt" in result.output
 
 
-def test_long_prompt_keeps_its_end(trained, caplog):
-    logger = logging.getLogger("apps")
-    logger.addHandler(caplog.handler)
-    try:
-        rows = run.predict(LMTask, trained, ["The cat sees the dog. " * 20], {"--max-new-tokens": "4"})
-    finally:
-        logger.removeHandler(caplog.handler)
-    assert len(rows) == 1 and "keeping its last 28 so that 4 new tokens fit in model.max_len=32" in caplog.text
+def test_long_prompt_keeps_its_end(trained, apps_log):
+    rows = run.predict(LMTask, trained, ["The cat sees the dog. " * 20], {"--max-new-tokens": "4"})
+    assert len(rows) == 1 and "keeping its last 28 so that 4 new tokens fit in model.max_len=32" in apps_log.text

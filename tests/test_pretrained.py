@@ -17,11 +17,10 @@ import numpy as np
 import pytest
 import safetensors.numpy
 import tokenizers
+from conftest import apps
 from flax import nnx
-from typer.testing import CliRunner
 
-from cli import app
-from core import pretrained
+from core import bert, pretrained
 from core.config import ModelConfig
 from core.errors import UserError
 from core.heads import PooledClassifier, TokenEmbedder, mean_pool
@@ -29,9 +28,9 @@ from core.optim import layer_scale
 from core.run import make_config
 from core.train import build_model
 from core.transformer import Model, Transformer
+from tasks.common.tokenizer import PretrainedTokenizer, load_tokenizer
 from tasks.nlp import embed
 from tasks.nlp.sentiment import SentimentTask
-from tasks.nlp.tokenizer import PretrainedTokenizer, load_tokenizer
 
 NAME = "all-MiniLM-L6-v2"
 REFERENCE = np.load(Path(__file__).parent / "fixtures" / "minilm_reference.npz")
@@ -102,7 +101,7 @@ def test_mean_pooled_outputs_match_sentence_transformers(minilm):
 
 def test_the_mapping_uses_every_tensor_once_and_round_trips(minilm, checkpoint, tensors):
     model, report = minilm
-    sources = [name for rule in pretrained.rules(checkpoint) for name in rule.sources]
+    sources = [name for rule in bert.rules(checkpoint) for name in rule.sources]
     assert len(sources) == len(set(sources))
     assert set(report.unused) == {"embeddings.position_ids", "pooler.dense.weight", "pooler.dense.bias"}
     assert set(sources) | set(report.unused) == set(tensors)
@@ -285,7 +284,7 @@ def test_embed_matches_sentence_transformers_encode(tmp_path):
     vectors = embed.embed(sentences, batch_size=3)  # batches cut to different lengths
     np.testing.assert_allclose(vectors, REFERENCE["normalized"], atol=1e-4, rtol=0)
     (tmp_path / "texts.txt").write_text("\n".join(sentences[:2]) + "\n\n")
-    result = CliRunner().invoke(app, ["embed", "--file", str(tmp_path / "texts.txt"), "-o", str(tmp_path / "e.npz")])
+    result = apps("embed", "--file", tmp_path / "texts.txt", "-o", tmp_path / "e.npz")
     assert result.exit_code == 0, result.output
     written = np.load(tmp_path / "e.npz")
     assert written["texts"].tolist() == sentences[:2]

@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pytest
+from conftest import apps, plain
 
 import tasks
 from core import run
@@ -203,42 +204,31 @@ def test_init_from_a_run_of_another_size_names_the_parameters(mlm_run):
 
 
 def test_mlm_fills_masked_residues_and_embeds(mlm_run):
-    loaded = run.load(tasks.get("protein-mlm"), mlm_run)
-    [row] = run.predict_loaded(loaded, ["MKT?AYIAK"])
+    predictor = run.Predictor(tasks.get("protein-mlm"), mlm_run)
+    [row] = predictor.predict(["MKT?AYIAK"])
     assert row["sequence"][3] in sequences.AMINO_ACIDS and row["filled"].startswith("4:")
-    from flax import nnx
-
-    model = nnx.merge(loaded.steps.graphdef, loaded.params)
     examples = [{"id": "a", "sequence": "MKTAYIAK" * 20, "label": None}, {"id": "b", "sequence": "MK", "label": None}]
-    pooled = loaded.task.embed(model, loaded.featurizer, examples)
-    residues = loaded.task.embed(model, loaded.featurizer, examples, per_position=True)
+    pooled = predictor.task.embed(predictor.model, predictor.featurizer, examples)
+    residues = predictor.task.embed(predictor.model, predictor.featurizer, examples, per_position=True)
     assert [r.shape for r in residues] == [(160, 32), (2, 32)]
     np.testing.assert_allclose(pooled[0], residues[0].mean(0), rtol=1e-6)
 
 
 def test_bad_predict_input_is_named(mlm_run):
-    loaded = run.load(tasks.get("protein-mlm"), mlm_run)
+    predictor = run.Predictor(tasks.get("protein-mlm"), mlm_run)
     with pytest.raises(UserError, match=r"'input 1': '1' at position 3"):
-        run.predict_loaded(loaded, ["MK1"])
+        predictor.predict(["MK1"])
     with pytest.raises(UserError, match="needs sequences"):
-        run.predict_loaded(loaded, ["  "])
+        predictor.predict(["  "])
 
 
 def test_predict_reads_fasta_from_lines(mlm_run):
-    loaded = run.load(tasks.get("protein-mlm"), mlm_run)
-    rows = run.predict_loaded(loaded, [">x desc", "MKTA", "YIAK", ">y", "MM?"])
+    rows = run.Predictor(tasks.get("protein-mlm"), mlm_run).predict([">x desc", "MKTA", "YIAK", ">y", "MM?"])
     assert [r["id"] for r in rows] == ["x", "y"] and rows[0]["sequence"] == "MKTAYIAK"
     assert json.dumps(rows)
 
 
 def test_cli_init_from_embed_and_mistakes(mlm_run, tmp_path):
-    from typer.testing import CliRunner
-
-    from cli import app
-
-    def apps(*args):
-        return CliRunner().invoke(app, [str(a) for a in args])
-
     def train_class(workdir, *more):
         return apps("train", "protein-class", "--preset", "tiny", "--data", "synthetic", "--workdir", workdir, *more)
 
@@ -271,10 +261,6 @@ def test_cli_init_from_embed_and_mistakes(mlm_run, tmp_path):
     ]:
         assert result.exit_code == 1 and message in plain(result.output), (message, result.output)
         assert "Traceback" not in result.output
-
-
-def plain(text):
-    return " ".join(text.split())
 
 
 def structure_db_bytes(chains, flags=0x08):

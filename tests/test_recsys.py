@@ -4,9 +4,8 @@ import json
 
 import numpy as np
 import pytest
-from typer.testing import CliRunner
+from conftest import apps, plain
 
-from cli import app
 from core.config import apply_overrides
 from core.errors import UserError
 from tasks.recsys import data
@@ -69,7 +68,7 @@ def featurized():
     task = RecsysTask(config=tiny(), data="synthetic")
     train = task.examples("train")
     featurizer = task.fit_featurizer(train)
-    return task, featurizer, featurizer(train), featurizer(task.examples("test"))
+    return task, featurizer, task.featurize_train(featurizer, train), featurizer(task.examples("test"))
 
 
 def test_sasrec_windows_predict_the_next_item(featurized):
@@ -96,8 +95,8 @@ def test_bert4rec_masking_never_touches_padding(featurized):
     )
     batch = featurizer.__class__(
         featurizer.items, {}, featurizer.popularity, featurizer.sequences, featurizer.max_len, task.config.data
-    )(task.examples("train"))
-    masked = task.augment(batch, np.random.default_rng(0))
+    ).training(task.examples("train"))
+    masked = task.augment(batch, np.random.default_rng(0), featurizer)
     chosen = masked["target_mask"]
     assert not chosen[~batch["mask"]].any() and chosen.any(1).all()
     assert (masked["inputs"][chosen] == MASK).all()
@@ -105,33 +104,29 @@ def test_bert4rec_masking_never_touches_padding(featurized):
 
 
 def test_cli_round_trip(tmp_path):
-    runner = CliRunner()
     workdir = tmp_path / "run"
-    result = runner.invoke(
-        app,
-        [
-            "train",
-            "recsys",
-            "--preset",
-            "tiny",
-            "--data",
-            FIXTURE,
-            "--workdir",
-            str(workdir),
-            *COLUMNS,
-            "--set",
-            "train.steps=30",
-        ],
+    result = apps(
+        "train",
+        "recsys",
+        "--preset",
+        "tiny",
+        "--data",
+        FIXTURE,
+        "--workdir",
+        workdir,
+        *COLUMNS,
+        "--set",
+        "train.steps=30",
     )
     assert result.exit_code == 0, result.output
-    result = runner.invoke(app, ["eval", "recsys", "--workdir", str(workdir), "--data", FIXTURE])
+    result = apps("eval", "recsys", "--workdir", workdir, "--data", FIXTURE)
     assert result.exit_code == 0, result.output
     report = json.loads((workdir / "eval_test.json").read_text())
     assert "full ranking" in report["protocol"] and "seen items excluded" in report["protocol"]
     assert {"hr@10", "ndcg@10", "mrr@10"} <= set(report) and "most_popular" in report["baselines"]
-    result = runner.invoke(app, ["predict", "recsys", "--workdir", str(workdir), "--history", "i3,i4,nosuch"])
+    result = apps("predict", "recsys", "--workdir", workdir, "--history", "i3,i4,nosuch")
     assert result.exit_code == 0 and "i5" in result.output, result.output
-    result = runner.invoke(app, ["predict", "recsys", "--workdir", str(workdir), "--user", "u7"])
+    result = apps("predict", "recsys", "--workdir", workdir, "--user", "u7")
     assert result.exit_code == 0, result.output
     recommendations = Recommender(workdir).recommend(["i3", "i4"], k=3)
     assert len(recommendations) == 3 and all(r["item"] not in ("i3", "i4") for r in recommendations)
@@ -140,7 +135,7 @@ def test_cli_round_trip(tmp_path):
         (["--size", "3"], "does not take --size; its options: --user, --history"),
         (["--user", "ghost"], "Unknown user 'ghost'"),
     ]:
-        result = runner.invoke(app, ["predict", "recsys", "--workdir", str(workdir), *args])
+        result = apps("predict", "recsys", "--workdir", workdir, *args)
         assert result.exit_code == 1 and message in result.output, result.output
 
 
@@ -181,9 +176,8 @@ def test_model_type_must_match_attention():
 
 def test_more_candidates_than_unseen_items_is_refused(tmp_path):
     # The synthetic catalogue has 30 items: 1,000 unseen negatives per user cannot exist.
-    args = ["train", "recsys", "--preset", "tiny", "--data", "synthetic", "--workdir", str(tmp_path)]
-    args += ["--set", "data.ranking=sampled", "--set", "data.candidates=1000"]
-    result = CliRunner().invoke(app, args)
+    args = ["train", "recsys", "--preset", "tiny", "--data", "synthetic", "--workdir", tmp_path]
+    result = apps(*args, "--set", "data.ranking=sampled", "--set", "data.candidates=1000")
     assert result.exit_code == 1, result.output
-    assert "data.candidates=1000, but a user has only" in " ".join(result.output.split())
-    assert "lower data.candidates to at most" in " ".join(result.output.split())
+    assert "data.candidates=1000, but a user has only" in plain(result.output)
+    assert "lower data.candidates to at most" in plain(result.output)

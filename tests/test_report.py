@@ -5,13 +5,10 @@ import logging
 import re
 
 import pytest
-from typer.testing import CliRunner
+from conftest import apps, plain
 
-from cli import app
 from core.errors import UserError
 from core.report import report
-
-runner = CliRunner()
 
 
 def train_record(step, loss):
@@ -46,10 +43,6 @@ def write_run(workdir, records=RECORDS, best=(4, "accuracy", 0.75), extra_lines=
 def assert_png(path):
     data = path.read_bytes()
     assert len(data) > 0 and data.startswith(b"\x89PNG\r\n\x1a\n")
-
-
-def plain(text):
-    return re.sub(r"\s+", " ", text)
 
 
 def test_report_returns_the_best_step_and_draws_the_curves(tmp_path):
@@ -88,21 +81,12 @@ def test_a_resumed_run_keeps_the_later_record_of_a_step(tmp_path):
     assert report(workdir)["metrics"] == {"accuracy": 0.875, "macro_f1": 0.625, "loss": 0.5}
 
 
-def test_malformed_lines_are_skipped_with_a_warning_naming_them(tmp_path, caplog, monkeypatch):
+def test_malformed_lines_are_skipped_with_a_warning_naming_them(tmp_path, apps_log):
     # Line 4 is garbage in the middle; the last line is cut short as a killed run leaves it.
     workdir = write_run(tmp_path / "run", extra_lines=[(3, "{not json"), (10, '{"step": 7, "lo')])
-    # The CLI stops the "apps" logger from propagating to the root, where caplog listens, so
-    # listen on the logger itself, whichever test ran first.
-    logger = logging.getLogger("apps")
-    monkeypatch.setattr(logger, "propagate", False)
-    logger.addHandler(caplog.handler)
-    try:
-        with caplog.at_level(logging.WARNING, logger="apps"):
-            result = report(workdir)
-    finally:
-        logger.removeHandler(caplog.handler)
+    result = report(workdir)
     assert result["best_step"] == 4 and result["metrics"] == {"accuracy": 0.75, "macro_f1": 0.5, "loss": 1.0}
-    warnings = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
+    warnings = [record.getMessage() for record in apps_log.records if record.levelno == logging.WARNING]
     assert len(warnings) == 2
     assert "metrics.jsonl line 4 is not a JSON record" in warnings[0]
     assert "line 11 (the last, cut short" in warnings[1]
@@ -138,7 +122,7 @@ def test_errors_name_the_path(tmp_path, setup, message):
 
 def test_cli_prints_the_best_step_and_the_picture(tmp_path):
     workdir = write_run(tmp_path / "run")
-    result = runner.invoke(app, ["report", "--workdir", str(workdir)])
+    result = apps("report", "--workdir", workdir)
     assert result.exit_code == 0, result.output
     output = plain(result.output)
     assert "best step 4, by accuracy" in output
@@ -149,11 +133,11 @@ def test_cli_prints_the_best_step_and_the_picture(tmp_path):
 
 def test_cli_reports_a_missing_run(tmp_path):
     workdir = tmp_path / "nothing"
-    result = runner.invoke(app, ["report", "-w", str(workdir)])
+    result = apps("report", "-w", workdir)
     assert result.exit_code == 1
     assert f"{workdir} holds no run" in plain(result.output) and "Traceback" not in result.output
 
 
 def test_cli_report_needs_a_workdir():
-    result = runner.invoke(app, ["report"])
+    result = apps("report")
     assert result.exit_code == 2 and "--workdir" in result.output

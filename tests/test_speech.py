@@ -4,15 +4,15 @@ WER/CER goldens, bad input, and one end-to-end run of the CLI (slow)."""
 import json
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import soundfile
+from conftest import apps, table_rows
 from flax import nnx
-from typer.testing import CliRunner
 
 import tasks
-from cli import app
 from core import ctc, losses, run
 from core.errors import UserError
 from core.frontends import ConvSubsampling, subsampled_lengths
@@ -223,34 +223,45 @@ def test_a_missing_espeak_library_is_one_clear_message(monkeypatch):
 def test_spec_augment_masks_are_seeded_and_applied():
     task = SpeechTask(config=SpeechTask.presets["tiny"](), data="synthetic")
     batch = {"inputs": np.ones((4, 50, 80), np.float16), "mask": np.ones((4, 50), bool)}
-    first = task.augment(batch, np.random.default_rng((0, 7)))
-    again = task.augment(batch, np.random.default_rng((0, 7)))
+    first = task.augment(batch, np.random.default_rng((0, 7)), None)
+    again = task.augment(batch, np.random.default_rng((0, 7)), None)
     np.testing.assert_array_equal(first["keep_bins"], again["keep_bins"])
     assert not first["keep_bins"].all() and first["keep_bins"].shape == (4, 80)
-
-
-runner = CliRunner()
 
 
 @pytest.mark.slow
 def test_train_eval_predict_end_to_end(tmp_path):
     workdir = tmp_path / "run"
     steps = ["--set", "train.steps=20", "--set", "train.eval_every=20"]
-    result = runner.invoke(
-        app, ["train", "speech", "--preset", "tiny", "--data", "synthetic", "--workdir", str(workdir), *steps]
-    )
+    result = apps("train", "speech", "--preset", "tiny", "--data", "synthetic", "--workdir", workdir, *steps)
     assert result.exit_code == 0, result.output
-    result = runner.invoke(app, ["eval", "speech", "--workdir", str(workdir), "--data", "synthetic", "--split", "test"])
+    result = apps("eval", "speech", "--workdir", workdir, "--data", "synthetic", "--split", "test")
     assert result.exit_code == 0, result.output
     report = json.loads((workdir / "eval_test.json").read_text())
     assert {"wer", "cer", "beam"} <= set(report) and "wer/en-029" in report["baselines"]["pocketsphinx"]
-    clips = [write_clip(tmp_path / "a.wav"), write_clip(tmp_path / "b.flac")]
-    result = runner.invoke(app, ["predict", "speech", "--workdir", str(workdir), *map(str, clips)])
-    rows = [line for line in result.output.splitlines() if "│" in line]  # one per file (paths may be cut)
-    assert result.exit_code == 0 and len(rows) == 2, result.output
-    transcripts = run.predict(SpeechTask, workdir, [str(c) for c in clips], {"--beam-width": "1"})
-    assert [row["file"] for row in transcripts] == [str(c) for c in clips]
-    result = runner.invoke(app, ["predict", "speech", "--workdir", str(workdir), str(tmp_path / "nothing.wav")])
+    # A spoken clip of the test split (int16 at 16 kHz, read back exactly) and a tone at 22.05 kHz.
+    spoken = SpeechTask(config=SpeechTask.presets["tiny"](), data="synthetic").examples("test")[0]["audio"]
+    clips = [tmp_path / "a.wav", write_clip(tmp_path / "b.flac")]
+    soundfile.write(clips[0], spoken, audio.SAMPLE_RATE)
+    greedy = run.predict(SpeechTask, workdir, [str(c) for c in clips], {"--beam-width": "1"})
+    searched = run.predict(SpeechTask, workdir, [str(c) for c in clips])  # the default: 8 beams
+    assert [row["file"] for row in greedy] == [row["file"] for row in searched] == [str(c) for c in clips]
+    # Each transcript is the CTC decoding of the model's frames for that file alone: the best
+    # path merged and stripped of blanks, or the prefix beam search.
+    loaded = run.load(SpeechTask, workdir)
+    model = nnx.merge(loaded.steps.graphdef, loaded.params)
+    featurizer = loaded.featurizer
+    for clip, fast, slow in zip(clips, greedy, searched):
+        arrays = featurizer(loaded.task.parse_inputs([str(clip)], {}))
+        outputs = model({"inputs": arrays["inputs"], "mask": arrays["mask"]})
+        log_probs = np.asarray(jax.nn.log_softmax(outputs.logits[0]))[: int(outputs.mask[0].sum())]
+        assert fast["transcript"] == featurizer.decode(ctc.collapse(log_probs.argmax(-1))), clip
+        assert slow["transcript"] == featurizer.decode(ctc.prefix_beam_search(log_probs, 8)), clip
+    # The CLI prints those transcripts (on a terminal wide enough that no cell is cut).
+    result = apps("predict", "speech", "--workdir", workdir, *clips, env={"COLUMNS": "400"})
+    assert result.exit_code == 0, result.output
+    assert table_rows(result.output) == [[row["file"], row["transcript"]] for row in searched]
+    result = apps("predict", "speech", "--workdir", workdir, tmp_path / "nothing.wav")
     assert result.exit_code == 1 and "no such audio file" in result.output and "Traceback" not in result.output
 
 

@@ -12,6 +12,7 @@ from core import run, sharding
 from core.config import apply_overrides
 from core.data import bucket_width, train_batches
 from core.errors import UserError
+from core.hooks import Hooks, StepInfo, Window
 from core.train import build_model, make_steps
 from tasks.nlp.sentiment import SentimentTask, tiny
 
@@ -189,3 +190,28 @@ def test_bucket_widths_by_hand():
     widths = {n: bucket_width(n, 1000) for n in (1, 8, 9, 32, 33, 48, 49, 64, 65, 97, 200)}
     assert widths == {1: 8, 8: 8, 9: 16, 32: 32, 33: 48, 48: 48, 49: 64, 64: 64, 65: 96, 97: 128, 200: 256}
     assert bucket_width(100, 40) == 40  # never past the featurizer's width
+
+
+def test_hooks_run_at_their_cadence_in_order_and_pausing_ones_stop_the_clock(monkeypatch):
+    now = [0.0]
+    monkeypatch.setattr("core.hooks.time.perf_counter", lambda: now[0])
+    window, calls = Window(), []
+    hooks = Hooks(7, window)
+
+    def job(name, seconds=0.0):
+        def run(info):
+            now[0] += seconds
+            calls.append((name, info.step))
+
+        return run
+
+    hooks.add(job("log"), every=3)
+    hooks.add(job("validate", seconds=10.0), every=5, pauses=True)
+    hooks.add(job("save", seconds=1.0), every=2, pauses=True)
+    for step in range(1, 8):
+        hooks.run(StepInfo(step, {}, {}))
+    assert calls == [
+        *[("save", 2), ("log", 3), ("save", 4), ("validate", 5), ("log", 6), ("save", 6)],
+        *[("log", 7), ("validate", 7), ("save", 7)],
+    ]
+    assert window.paused == 4 * 1.0 + 2 * 10.0  # four saves, two validations; no LogLoss restarts the window

@@ -30,17 +30,18 @@ from flax import nnx
 
 from core import losses, penalties
 from core import metrics as metric_lib
-from core.config import Config, OptimConfig, TrainConfig, modern_blocks
+from core.config import Config, DataConfig, OptimConfig, TrainConfig, modern_blocks, tiny_preset
 from core.errors import UserError
 from core.heads import Projection, TiedOutput, TokenEmbedder
-from core.task import PredictOption, Task, final
+from core.run import Predictor
+from core.task import PredictOption, Task, final, scored_positions
 from tasks.common.tokenizer import BOS, EOS, PAD, Tokenizer
 from tasks.nlp import corpus
 from tasks.nlp.ngram import KneserNey, Unigram, bits_per_character
 
 
 @dataclass(frozen=True, kw_only=True)
-class LMData:
+class LMData(DataConfig):
     """`vocab_size` of the BPE model; `text_column` of a table given with --data."""
 
     vocab_size: int = 4000
@@ -49,14 +50,8 @@ class LMData:
 
 
 def tiny() -> Config:
-    return Config(
-        task="lm",
-        preset="tiny",
-        model=modern_blocks(32, 1, 2, 64, 32, 0.0, causal=True),
-        optim=OptimConfig(learning_rate=3e-3, warmup_steps=5, weight_decay=0.0),
-        train=TrainConfig(batch_size=16, eval_batch_size=16, steps=20, eval_every=10, checkpoint_every=10, log_every=5),
-        data=LMData(vocab_size=400),
-    )
+    model = modern_blocks(32, 1, 2, 64, 32, 0.0, causal=True)
+    return tiny_preset("lm", model, LMData(vocab_size=400), weight_decay=0.0, eval_batch_size=16)
 
 
 def base() -> Config:
@@ -180,16 +175,22 @@ class LMTask(Task):
         return TiedOutput(embedder)
 
     def loss(self, projection: Projection, batch: dict):
-        return losses.linear_cross_entropy(projection.hidden, projection.weight, batch["targets"], _scored(batch))
+        return losses.linear_cross_entropy(
+            projection.hidden,
+            projection.weight,
+            batch["targets"],
+            scored_positions(batch),
+            self.config.optim.label_smoothing,
+        )
 
     def metrics(self, projection: Projection, batch: dict):
-        return {"accuracy": metric_lib.accuracy(projection.logits(), batch["targets"], _scored(batch))}
+        return {"accuracy": metric_lib.accuracy(projection.logits(), batch["targets"], scored_positions(batch))}
 
     def decode(self, projection: Projection, batch: dict) -> dict[str, jax.Array]:
         """Each row's summed negative log-likelihood (nats) and its number of predictions."""
         log_probs = jax.nn.log_softmax(projection.logits())
         picked = jnp.take_along_axis(log_probs, batch["targets"][..., None], axis=-1)[..., 0]
-        scored = _scored(batch)
+        scored = scored_positions(batch)
         return {"nll": -(picked * scored).sum(-1), "predictions": scored.sum(-1)}
 
     def score(self, predictions: dict[str, np.ndarray], examples: Sequence[dict], featurizer) -> dict[str, float]:
@@ -252,7 +253,7 @@ class LMTask(Task):
         return [{"prompt": e["text"], "continuation": text} for e, text in zip(examples, predictions["text"])]
 
 
-class LanguageModel:
+class LanguageModel(Predictor):
     """A trained lm workdir loaded once, for Python prototypes:
 
     from tasks.nlp.lm import LanguageModel
@@ -261,27 +262,13 @@ class LanguageModel:
     """
 
     def __init__(self, workdir: str | Path):
-        from core import run
-
-        self.loaded = run.load(LMTask, workdir)
-        self.model = nnx.merge(self.loaded.steps.graphdef, self.loaded.params)
+        super().__init__(LMTask, workdir)
 
     def generate(self, prompts: Sequence[str], **options) -> list[str]:
         """The continuation of each prompt; `options` are `apps predict lm`'s, by name
         (max_new_tokens, temperature, top_k, top_p, beams, length_penalty, no_repeat_ngram,
         word_reward, seed)."""
-        defaults = {option.name: option.default for option in LMTask.predict_options}
-        unknown = sorted(set(options) - set(defaults))
-        if unknown:
-            raise UserError(f"Unknown generation options {unknown}; the options are {', '.join(defaults)}.")
-        task = self.loaded.task
-        examples = task.parse_inputs(prompts, {})
-        return task.generate(self.model, self.loaded.featurizer, examples, {**defaults, **options})["text"]
-
-
-def _scored(batch: dict) -> jax.Array:
-    """Which predictions count: real targets of real rows (not the rows that pad a last batch)."""
-    return batch["target_mask"] & (batch["weights"][:, None] > 0)
+        return self.outputs(prompts, **options)[1]["text"]
 
 
 def _scores(nll: float, predictions: int, chars: int) -> dict[str, float]:

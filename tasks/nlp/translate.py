@@ -24,7 +24,8 @@ import sacrebleu
 from core.config import modern_blocks, require
 from core.task import PredictOption, final
 from tasks.nlp import freedict
-from tasks.nlp.seq2seq import Seq2SeqData, Seq2SeqTask, decoding_options, normalized, preset
+from tasks.nlp.pairs import normalized
+from tasks.nlp.seq2seq import Seq2SeqData, Seq2SeqTask, decoding_options, preset
 
 MAX_WORDS = 24
 

@@ -22,10 +22,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from core.config import Config, ModelConfig, OptimConfig, TrainConfig, modern_blocks, require
+from core.config import Config, DataConfig, ModelConfig, OptimConfig, TrainConfig, modern_blocks, require, tiny_preset
 from core.errors import UserError
 from core.heads import TokenEmbedder
 from core.task import Task
+from tasks.common.families import class_ids
 from tasks.protein import data as protein_data
 from tasks.protein import sequences
 
@@ -33,25 +34,25 @@ Level = Literal["masked", "sequence", "residue"]
 
 
 @dataclass(frozen=True, kw_only=True)
-class ProteinData:
-    """Options of the protein tasks' data. Columns name a table's fields (FASTA and flat files
-    carry ids and sequences themselves). `piece_len`: training rows hold sequences up to this
-    many residues (longer ones in consecutive pieces), cropped at random to model.max_len."""
+class ProteinData(DataConfig):
+    """The options every protein task shares (each task's data config adds its own). Columns name
+    a table's fields (FASTA and flat files carry ids and sequences themselves). `piece_len`:
+    training rows hold sequences up to this many residues (longer ones in consecutive pieces),
+    cropped at random to model.max_len."""
 
     sequence_column: str = "sequence"
-    label_column: str = "label"
     id_column: str = "id"
     piece_len: int = 1024
-    # protein-mlm: the share of residues masked (BERT's 80/10/10 corruption).
-    mask_rate: float = 0.15
-    # protein-class: the embedded labels: AMP vs UniProt, or the protein family.
-    labels: Literal["amp", "family"] = "amp"
-    # protein-residue: the embedded DSSP states, eight or reduced to three.
-    states: Literal["q3", "q8"] = "q3"
 
     def __post_init__(self):
         require(self.piece_len > 0, "data.piece_len", self.piece_len, "must be positive")
-        require(0 < self.mask_rate < 1, "data.mask_rate", self.mask_rate, "must be in (0, 1)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LabelledProteinData(ProteinData):
+    """The data of a task that learns labels: a table's label column."""
+
+    label_column: str = "label"
 
 
 def protein_config(
@@ -61,7 +62,7 @@ def protein_config(
     steps: int,
     batch_size: int,
     lr: float,
-    data: ProteinData | None = None,
+    data: ProteinData,
     eval_every: int = 200,
 ) -> Config:
     return Config(
@@ -77,16 +78,14 @@ def protein_config(
             checkpoint_every=eval_every,
             log_every=max(1, min(50, steps // 10)),
         ),
-        data=data or ProteinData(),
+        data=data,
     )
 
 
-def tiny_config(task: str) -> Config:
+def tiny_config(task: str, data_type: type[ProteinData]) -> Config:
     """A one-layer model and a few steps, for tests."""
-    model = encoder(32, 1, 64, 0.0)
-    return protein_config(
-        task, "tiny", model, steps=20, batch_size=16, lr=3e-3, data=ProteinData(piece_len=128), eval_every=10
-    )
+    data = data_type(piece_len=128)
+    return tiny_preset(task, encoder(32, 1, 64, 0.0), data, eval_batch_size=128, warmup_steps=2, log_every=2)
 
 
 def encoder(d_model: int, num_layers: int, max_len: int, dropout: float = 0.1) -> ModelConfig:
@@ -142,10 +141,9 @@ class ResidueFeaturizer:
         (directory / "residues.json").write_text(json.dumps({"level": self.level, "classes": list(self.classes)}))
 
     @classmethod
-    def load(cls, directory: Path, config: Config) -> ResidueFeaturizer:
+    def load(cls, directory: Path, max_len: int, piece_len: int, mask_rate: float) -> ResidueFeaturizer:
         saved = json.loads((directory / "residues.json").read_text())
-        data = config.data
-        return cls(saved["level"], tuple(saved["classes"]), config.model.max_len, data.piece_len, data.mask_rate)
+        return cls(saved["level"], tuple(saved["classes"]), max_len, piece_len, mask_rate)
 
     @staticmethod
     def lengths(examples: Sequence[dict]) -> list[int]:
@@ -184,21 +182,11 @@ class ResidueFeaturizer:
             )
         return np.array([index[c] for c in label], np.int32), np.ones(length, bool)
 
-    def _sequence_targets(self, examples: Sequence[dict], rows: np.ndarray) -> np.ndarray:
-        index = {name: i for i, name in enumerate(self.classes)}
-        unknown = sorted({str(e["label"]) for e in examples if e["label"] is not None} - index.keys())
-        if unknown:
-            raise UserError(
-                f"Labels {unknown[:10]} did not occur in the training split (classes: {list(self.classes)[:10]}...)."
-            )
-        per_example = np.array([index.get(str(e["label"]), 0) for e in examples], np.int32)
-        return per_example[rows]
-
     def _finish(self, rows: dict[str, np.ndarray], examples: Sequence[dict]) -> dict[str, np.ndarray]:
         rows["mask"] = rows["inputs"] != sequences.PAD
         rows["inputs"] = rows["inputs"].astype(np.int32)
         if self.level == "sequence":
-            rows["targets"] = self._sequence_targets(examples, rows["sequence"])
+            rows["targets"] = class_ids([e["label"] for e in examples], self.classes)[rows["sequence"]]
         else:
             rows["targets"] = rows["targets"].astype(np.int32)
             rows["target_mask"] = rows["target_mask"].astype(bool)
@@ -241,7 +229,6 @@ class ProteinTask(Task):
     """The shared part of protein-mlm, protein-class and protein-residue."""
 
     level: ClassVar[Level]
-    data_type: ClassVar[type] = ProteinData
     trim: ClassVar[dict[str, tuple[str, ...]]] = {"mask": ("inputs",)}
 
     config: Config
@@ -256,23 +243,35 @@ class ProteinTask(Task):
         o = self.config.data
         return sequences.read_sequences(self.data, o.sequence_column, label_column, o.id_column)
 
+    def mask_rate(self) -> float:
+        """The share of residues that the featurizer masks in evaluation rows (protein-mlm's)."""
+        return 0.0
+
     def load_featurizer(self, directory: Path) -> ResidueFeaturizer:
-        return ResidueFeaturizer.load(directory, self.config)
+        return ResidueFeaturizer.load(
+            directory, self.config.model.max_len, self.config.data.piece_len, self.mask_rate()
+        )
 
     def new_featurizer(self, classes: tuple[str, ...]) -> ResidueFeaturizer:
-        o = self.config.data
-        return ResidueFeaturizer(self.level, classes, self.config.model.max_len, o.piece_len, o.mask_rate)
+        piece_len = self.config.data.piece_len
+        return ResidueFeaturizer(self.level, classes, self.config.model.max_len, piece_len, self.mask_rate())
 
     def featurize_train(self, featurizer: ResidueFeaturizer, examples: Sequence[dict]) -> dict[str, np.ndarray]:
         return featurizer.training(examples)
 
-    def augment(self, batch: dict, rng: np.random.Generator) -> dict:
+    def augment(self, batch: dict, rng: np.random.Generator, featurizer) -> dict:
         """A random crop of `model.max_len` residues of each longer row, the same for its labels."""
         keys = [k for k in ("inputs", "mask", "targets", "target_mask") if k in batch and np.ndim(batch[k]) == 2]
         return sequences.crop(batch, keys, self.config.model.max_len, rng)
 
     def embedder(self, featurizer: ResidueFeaturizer, rngs: nnx.Rngs) -> nnx.Module:
         return TokenEmbedder(len(sequences.VOCAB), self.config.model.d_model, rngs=rngs)
+
+    def merged(self, predictions: dict[str, np.ndarray], examples: Sequence[dict], featurizer) -> list[np.ndarray]:
+        """Each example's per-residue probabilities [L, C]: the mean over the windows covering each residue."""
+        return sequences.merge_windows(
+            predictions["probabilities"], predictions["sequence"], predictions["offset"], featurizer.lengths(examples)
+        )
 
     def parse_inputs(self, lines: Sequence[str], options: dict) -> list[dict]:
         """Sequences given as text (one per argument or line), as FASTA on stdin, or as the paths

@@ -17,58 +17,73 @@ half, and the class probabilities are averaged over a sequence's windows.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
-import jax
 import numpy as np
-from flax import nnx
 from sklearn.feature_extraction.text import TfidfVectorizer
 from sklearn.linear_model import LogisticRegression
 from sklearn.metrics import matthews_corrcoef, roc_auc_score
 
-from core import losses
-from core import metrics as metric_lib
 from core.config import Config
 from core.errors import UserError
-from core.heads import PooledClassifier
 from core.task import final
+from tasks.common.families import SequenceClassification, class_ids
 from tasks.common.scoring import classification_scores
 from tasks.common.splits import hash_split
 from tasks.protein import data as protein_data
 from tasks.protein import sequences
-from tasks.protein.base import ProteinTask, ResidueFeaturizer, encoder, protein_config, tiny_config
+from tasks.protein.base import LabelledProteinData, ProteinTask, ResidueFeaturizer, encoder, protein_config, tiny_config
 
 # Percent of the records in each split, by the CRC-32 of their key.
 SHARES = {"train": 80, "valid": 10, "test": 10}
 
 
+@dataclass(frozen=True, kw_only=True)
+class ProteinClassData(LabelledProteinData):
+    """`labels`: the embedded labels, AMP vs UniProt or the protein family."""
+
+    labels: Literal["amp", "family"] = "amp"
+
+
 def tiny() -> Config:
-    return tiny_config("protein-class")
+    return tiny_config("protein-class", ProteinClassData)
 
 
 def base() -> Config:
     # Peptides are 7-174 residues long (half under 32): windows of 64 hold nearly all whole.
     return protein_config(
-        "protein-class", "base", encoder(128, 4, 64), steps=1500, batch_size=32, lr=1e-3, eval_every=250
+        "protein-class",
+        "base",
+        encoder(128, 4, 64),
+        steps=1500,
+        batch_size=32,
+        lr=1e-3,
+        data=ProteinClassData(),
+        eval_every=250,
     )
 
 
 def family() -> Config:
     """Protein families, with the protein-mlm base body's sizes, so that a run can start from it
     (`--init-from`)."""
-    config = protein_config(
-        "protein-class", "family", encoder(128, 4, 128), steps=600, batch_size=32, lr=1e-3, eval_every=100
+    return protein_config(
+        "protein-class",
+        "family",
+        encoder(128, 4, 128),
+        steps=600,
+        batch_size=32,
+        lr=1e-3,
+        data=ProteinClassData(labels="family"),
+        eval_every=100,
     )
-    return dataclasses.replace(config, data=dataclasses.replace(config.data, labels="family"))
 
 
 @final
 @dataclass(frozen=True, kw_only=True)
-class ProteinClassTask(ProteinTask):
+class ProteinClassTask(ProteinTask, SequenceClassification):
     name: ClassVar[str] = "protein-class"
     summary: ClassVar[str] = "One label per protein sequence (AMP vs UniProt; protein family)"
     default_data: ClassVar[str] = "AMP vs UniProt peptides (modlamp 4.3.3)"
@@ -77,7 +92,10 @@ class ProteinClassTask(ProteinTask):
     best_metric: ClassVar[str] = "macro_f1"
     presets: ClassVar[dict] = {"tiny": tiny, "base": base, "family": family}
     default_preset: ClassVar[str] = "base"
+    data_type: ClassVar[type] = ProteinClassData
     level: ClassVar[str] = "sequence"
+    accuracy_metric: ClassVar[str] = "window_accuracy"
+    row_keys: ClassVar[tuple[str, ...]] = ("sequence",)
 
     def _records(self) -> tuple[list[dict], str]:
         """All labelled records and what places each in a split ("sequence" or "species")."""
@@ -111,34 +129,18 @@ class ProteinClassTask(ProteinTask):
     def fit_featurizer(self, train: Sequence[dict]) -> ResidueFeaturizer:
         return self.new_featurizer(tuple(sorted({str(e["label"]) for e in train})))
 
-    def head(self, featurizer: ResidueFeaturizer, embedder: nnx.Module, rngs: nnx.Rngs) -> nnx.Module:
-        return PooledClassifier(self.config.model.d_model, len(featurizer.classes), rngs=rngs)
-
-    def loss(self, logits: jax.Array, batch: dict):
-        return losses.cross_entropy(logits, batch["targets"], batch["weights"], self.config.optim.label_smoothing)
-
-    def metrics(self, logits: jax.Array, batch: dict):
-        return {"window_accuracy": metric_lib.accuracy(logits, batch["targets"], batch["weights"])}
-
-    def decode(self, logits: jax.Array, batch: dict) -> dict[str, jax.Array]:
-        return {"probabilities": jax.nn.softmax(logits), "sequence": batch["sequence"]}
-
-    def _probabilities(self, predictions: dict[str, np.ndarray], count: int) -> np.ndarray:
+    def example_probabilities(self, predictions: dict[str, np.ndarray], count: int) -> np.ndarray:
         return sequences.merge_rows(predictions["probabilities"], predictions["sequence"], count)
 
     def score(self, predictions: dict[str, np.ndarray], examples: Sequence[dict], featurizer: ResidueFeaturizer):
-        probabilities = self._probabilities(predictions, len(examples))
-        return scores([featurizer.classes.index(str(e["label"])) for e in examples], probabilities, featurizer.classes)
+        probabilities = self.example_probabilities(predictions, len(examples))
+        return scores(class_ids([e["label"] for e in examples], featurizer.classes), probabilities, featurizer.classes)
 
     def baselines(self, train: Sequence[dict], test: Sequence[dict], featurizer: ResidueFeaturizer):
         return {"kmer_tfidf_logreg": kmer_baseline(train, test, featurizer.classes)}
 
     def render(self, predictions: dict[str, np.ndarray], examples: Sequence[dict], featurizer: ResidueFeaturizer):
-        probabilities = self._probabilities(predictions, len(examples))
-        return [
-            {"id": e["id"], "label": featurizer.classes[int(p.argmax())], "probability": f"{p.max():.3f}"}
-            for e, p in zip(examples, probabilities)
-        ]
+        return [{"id": e["id"], **row} for e, row in zip(examples, self.predicted(predictions, examples, featurizer))]
 
 
 def header_label(record: dict) -> str:

@@ -23,14 +23,15 @@ from flax import nnx
 
 from core import losses
 from core import metrics as metric_lib
-from core.config import Config
+from core.config import Config, require
 from core.heads import Projection, TiedOutput
-from core.task import final
+from core.task import final, scored_positions
 from tasks.common.splits import hash_split
 from tasks.protein import data as protein_data
 from tasks.protein import sequences
 from tasks.protein.base import (
     FIRST_RESIDUE,
+    ProteinData,
     ProteinTask,
     ResidueFeaturizer,
     corrupt,
@@ -47,15 +48,33 @@ FILL = "?"
 SHARES = {"train": 90, "valid": 5, "test": 5}
 
 
+@dataclass(frozen=True, kw_only=True)
+class ProteinMLMData(ProteinData):
+    """`mask_rate`: the share of residues masked (BERT's 80/10/10 corruption)."""
+
+    mask_rate: float = 0.15
+
+    def __post_init__(self):
+        super().__post_init__()
+        require(0 < self.mask_rate < 1, "data.mask_rate", self.mask_rate, "must be in (0, 1)")
+
+
 def tiny() -> Config:
-    return tiny_config("protein-mlm")
+    return tiny_config("protein-mlm", ProteinMLMData)
 
 
 def base() -> Config:
     # A step of 64 crops of 128 residues takes 0.7-0.9 s on two CPU cores: 800 steps (6.6M
     # residues, most of one pass over the crops) and four validations keep training under 15 minutes.
     return protein_config(
-        "protein-mlm", "base", encoder(128, 4, 128), steps=800, batch_size=64, lr=2e-3, eval_every=200
+        "protein-mlm",
+        "base",
+        encoder(128, 4, 128),
+        steps=800,
+        batch_size=64,
+        lr=2e-3,
+        data=ProteinMLMData(),
+        eval_every=200,
     )
 
 
@@ -71,6 +90,7 @@ class ProteinMLMTask(ProteinTask):
     lower_is_better: ClassVar[bool] = True
     presets: ClassVar[dict] = {"tiny": tiny, "base": base}
     default_preset: ClassVar[str] = "base"
+    data_type: ClassVar[type] = ProteinMLMData
     level: ClassVar[str] = "masked"
     trim: ClassVar[dict[str, tuple[str, ...]]] = {"mask": ("inputs", "targets", "target_mask")}
 
@@ -89,24 +109,27 @@ class ProteinMLMTask(ProteinTask):
             ),
         }
 
+    def mask_rate(self) -> float:
+        return self.config.data.mask_rate
+
     def fit_featurizer(self, train: Sequence[dict]) -> ResidueFeaturizer:
         return self.new_featurizer(())
 
     def head(self, featurizer: ResidueFeaturizer, embedder: nnx.Module, rngs: nnx.Rngs) -> nnx.Module:
         return TiedOutput(embedder)
 
-    def augment(self, batch: dict, rng: np.random.Generator) -> dict:
+    def augment(self, batch: dict, rng: np.random.Generator, featurizer) -> dict:
         """A random crop, then masking drawn afresh at every step."""
-        batch = super().augment(batch, rng)
+        batch = super().augment(batch, rng, featurizer)
         inputs, chosen = corrupt(batch["inputs"], self.config.data.mask_rate, rng)
         return {**batch, "inputs": inputs, "targets": batch["inputs"], "target_mask": chosen}
 
     def loss(self, projection: Projection, batch: dict):
-        weights = batch["target_mask"] * batch["weights"][:, None]
+        weights = scored_positions(batch)
         return losses.linear_cross_entropy(projection.hidden, projection.weight, batch["targets"], weights)
 
     def metrics(self, projection: Projection, batch: dict):
-        weights = batch["target_mask"] * batch["weights"][:, None]
+        weights = scored_positions(batch)
         return {"masked_accuracy": metric_lib.accuracy(projection.logits(), batch["targets"], weights)}
 
     def decode(self, projection: Projection, batch: dict) -> dict[str, jax.Array]:
@@ -114,14 +137,9 @@ class ProteinMLMTask(ProteinTask):
         probabilities = jax.nn.softmax(projection.logits())[..., FIRST_RESIDUE:]
         return {"probabilities": probabilities, "sequence": batch["sequence"], "offset": batch["offset"]}
 
-    def _merged(self, predictions: dict[str, np.ndarray], examples: Sequence[dict], featurizer) -> list[np.ndarray]:
-        return sequences.merge_windows(
-            predictions["probabilities"], predictions["sequence"], predictions["offset"], featurizer.lengths(examples)
-        )
-
     def score(self, predictions: dict[str, np.ndarray], examples: Sequence[dict], featurizer: ResidueFeaturizer):
         rows = featurizer.per_sequence(examples)
-        merged = self._merged(predictions, examples, featurizer)
+        merged = self.merged(predictions, examples, featurizer)
         picked = np.concatenate(
             [
                 np.take_along_axis(p[m], (t[m] - FIRST_RESIDUE)[:, None].astype(np.int64), axis=1)[:, 0]
@@ -155,7 +173,7 @@ class ProteinMLMTask(ProteinTask):
 
     def render(self, predictions: dict[str, np.ndarray], examples: Sequence[dict], featurizer: ResidueFeaturizer):
         rows = []
-        for e, p in zip(examples, self._merged(predictions, examples, featurizer)):
+        for e, p in zip(examples, self.merged(predictions, examples, featurizer)):
             fill = e.get("fill") or []
             letters = list(e["sequence"])
             for i in fill:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import jax
 import numpy as np
@@ -33,25 +33,39 @@ from core import metrics as metric_lib
 from core.config import Config
 from core.errors import UserError
 from core.heads import TokenClassifier
-from core.task import final
+from core.task import final, scored_positions
 from tasks.common.splits import hash_split
 from tasks.protein import data as protein_data
 from tasks.protein import sequences
-from tasks.protein.base import ProteinTask, ResidueFeaturizer, encoder, protein_config, tiny_config
+from tasks.protein.base import LabelledProteinData, ProteinTask, ResidueFeaturizer, encoder, protein_config, tiny_config
 
 # Percent of the records in each split, by the CRC-32 of their key.
 SHARES = {"train": 80, "valid": 10, "test": 10}
 
 
+@dataclass(frozen=True, kw_only=True)
+class ProteinResidueData(LabelledProteinData):
+    """`states`: the embedded DSSP states, eight or reduced to three."""
+
+    states: Literal["q3", "q8"] = "q3"
+
+
 def tiny() -> Config:
-    return tiny_config("protein-residue")
+    return tiny_config("protein-residue", ProteinResidueData)
 
 
 def base() -> Config:
     # Chains average 215 residues; crops of 128, 64 a step: about 10 minutes on two CPU cores.
     # The sizes of the protein-mlm base, so that a run can start from it (`--init-from`).
     return protein_config(
-        "protein-residue", "base", encoder(128, 4, 128), steps=1000, batch_size=64, lr=1e-3, eval_every=250
+        "protein-residue",
+        "base",
+        encoder(128, 4, 128),
+        steps=1000,
+        batch_size=64,
+        lr=1e-3,
+        data=ProteinResidueData(),
+        eval_every=250,
     )
 
 
@@ -72,6 +86,7 @@ class ProteinResidueTask(ProteinTask):
     best_metric: ClassVar[str] = "accuracy"
     presets: ClassVar[dict] = {"tiny": tiny, "base": base, "q8": q8}
     default_preset: ClassVar[str] = "base"
+    data_type: ClassVar[type] = ProteinResidueData
     level: ClassVar[str] = "residue"
     trim: ClassVar[dict[str, tuple[str, ...]]] = {"mask": ("inputs", "targets", "target_mask")}
 
@@ -101,24 +116,19 @@ class ProteinResidueTask(ProteinTask):
         return TokenClassifier(self.config.model.d_model, len(featurizer.classes), rngs=rngs)
 
     def loss(self, logits: jax.Array, batch: dict):
-        weights = batch["target_mask"] * batch["weights"][:, None]
+        weights = scored_positions(batch)
         return losses.cross_entropy(logits, batch["targets"], weights, self.config.optim.label_smoothing)
 
     def metrics(self, logits: jax.Array, batch: dict):
-        weights = batch["target_mask"] * batch["weights"][:, None]
+        weights = scored_positions(batch)
         return {"window_accuracy": metric_lib.accuracy(logits, batch["targets"], weights)}
 
     def decode(self, logits: jax.Array, batch: dict) -> dict[str, jax.Array]:
         return {"probabilities": jax.nn.softmax(logits), "sequence": batch["sequence"], "offset": batch["offset"]}
 
-    def _merged(self, predictions: dict[str, np.ndarray], examples: Sequence[dict], featurizer) -> list[np.ndarray]:
-        return sequences.merge_windows(
-            predictions["probabilities"], predictions["sequence"], predictions["offset"], featurizer.lengths(examples)
-        )
-
     def score(self, predictions: dict[str, np.ndarray], examples: Sequence[dict], featurizer: ResidueFeaturizer):
         truth = np.concatenate(featurizer.per_sequence(examples)["targets"])
-        predicted = np.concatenate([p.argmax(-1) for p in self._merged(predictions, examples, featurizer)])
+        predicted = np.concatenate([p.argmax(-1) for p in self.merged(predictions, examples, featurizer)])
         return residue_scores(truth, predicted, featurizer.classes)
 
     def baselines(self, train: Sequence[dict], test: Sequence[dict], featurizer: ResidueFeaturizer):
@@ -136,7 +146,7 @@ class ProteinResidueTask(ProteinTask):
     def render(self, predictions: dict[str, np.ndarray], examples: Sequence[dict], featurizer: ResidueFeaturizer):
         return [
             {"id": e["id"], "sequence": e["sequence"], "labels": "".join(featurizer.classes[i] for i in p.argmax(-1))}
-            for e, p in zip(examples, self._merged(predictions, examples, featurizer))
+            for e, p in zip(examples, self.merged(predictions, examples, featurizer))
         ]
 
 

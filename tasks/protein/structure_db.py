@@ -118,19 +118,8 @@ class _Reader:
         return count, start
 
 
-def read_structure_db(path: str | os.PathLike[str]) -> list[tuple[str, str, str, str]]:
-    """Return (pdb_id, chain, sequence, dssp) for every chain of a ProMod3 StructureDB, in file order.
-
-    Raises ValueError if the file is not a ProMod3 structure database, has an unsupported
-    version, was written by an incompatible build, lacks DSSP states, or is truncated.
-    """
-    path = os.fspath(path)
-    if os.path.getsize(path) < _HEADER.size:
-        # Also keeps np.memmap away from empty files, which it cannot map.
-        raise ValueError(f"{path}: not a ProMod3 structure database (file too short for the header)")
-    data = np.memmap(path, dtype=np.uint8, mode="r")
-    reader = _Reader(data, path)
-
+def _check_header(reader: _Reader, path: str) -> int:
+    """Reads and checks the header; returns its `stored_data` flags."""
     magic, version, *rest = reader.unpack(_HEADER, "header")
     if magic != MAGIC_NUMBER:
         raise ValueError(f"{path}: not a ProMod3 structure database (magic number {magic}, expected {MAGIC_NUMBER})")
@@ -146,6 +135,23 @@ def read_structure_db(path: str | os.PathLike[str]) -> list[tuple[str, str, str,
         raise ValueError(f"{path}: ProMod3 structure database has a foreign byte order or number format")
     if not stored_data & _DSSP:
         raise ValueError(f"{path}: ProMod3 structure database holds no DSSP states (stored_data={stored_data})")
+    return stored_data
+
+
+def read_structure_db(path: str | os.PathLike[str]) -> list[tuple[str, str, str, str]]:
+    """Return (pdb_id, chain, sequence, dssp) for every chain of a ProMod3 StructureDB, in file order.
+
+    Raises ValueError if the file is not a ProMod3 structure database, has an unsupported
+    version, was written by an incompatible build, lacks DSSP states, or is truncated.
+    """
+    path = os.fspath(path)
+    if os.path.getsize(path) < _HEADER.size:
+        # Also keeps np.memmap away from empty files, which it cannot map.
+        raise ValueError(f"{path}: not a ProMod3 structure database (file too short for the header)")
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    reader = _Reader(data, path)
+
+    stored_data = _check_header(reader, path)
 
     (n_chains,) = reader.unpack(_U64, "chain count")
     # Every chain record takes at least 28 bytes; checking this first stops a corrupt count from

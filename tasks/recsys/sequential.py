@@ -11,13 +11,12 @@ most-popular baseline under the same protocol.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -26,37 +25,16 @@ from flax import nnx
 
 from core import losses
 from core import metrics as metric_lib
-from core.config import Config, ModelConfig, OptimConfig, TrainConfig
+from core.config import Config, ModelConfig, OptimConfig, TrainConfig, tiny_body, tiny_preset
 from core.errors import UserError
 from core.heads import Projection, TiedOutput, TokenEmbedder
+from core.run import Predictor
 from core.task import PredictOption, Task, final
 from tasks.recsys import data as rec_data
+from tasks.recsys.featurizer import MASK, PAD, ItemFeaturizer, RecsysData
 
-PAD, MASK = 0, 1  # item i of the vocabulary has index i + 2
 KS = (1, 5, 10, 20)
 log = logging.getLogger("apps")
-
-
-@dataclass(frozen=True, kw_only=True)
-class RecsysData:
-    """Data, model variant, loss and evaluation protocol of a recommendation run."""
-
-    model_type: Literal["sasrec", "bert4rec"] = "sasrec"
-    loss: Literal["softmax", "bce"] = "softmax"
-    negatives: int = 1
-    mask_ratio: float = 0.2
-    tie_embeddings: bool = True
-    ranking: Literal["full", "sampled"] = "full"
-    candidates: int = 100
-    sampling: Literal["uniform", "popularity"] = "uniform"
-    exclude_seen: bool = True
-    min_rating: float | None = None
-    k_core: int = 0
-    top_k: int = 20
-    user_column: str = "user_id"
-    item_column: str = "item_id"
-    time_column: str = "timestamp"
-    rating_column: str = "rating"
 
 
 def sasrec() -> Config:
@@ -86,158 +64,7 @@ def bert4rec() -> Config:
 
 
 def tiny() -> Config:
-    return Config(
-        task="recsys",
-        preset="tiny",
-        model=ModelConfig(d_model=32, num_layers=1, num_heads=2, mlp_dim=64, max_len=24, dropout=0.0, causal=True),
-        optim=OptimConfig(learning_rate=3e-3, warmup_steps=5, weight_decay=0.0),
-        train=TrainConfig(batch_size=16, eval_batch_size=64, steps=20, eval_every=10, checkpoint_every=10, log_every=5),
-        data=RecsysData(top_k=5),
-    )
-
-
-@dataclass
-class ItemFeaturizer:
-    """Item ids <-> indices (0 padding, 1 the cloze mask, 2..V+1 items), titles, popularity,
-    every user's full sequence (for `--user` predictions), and the arrays of a split."""
-
-    items: tuple[str, ...]
-    titles: dict[str, str]
-    popularity: np.ndarray  # [V + 2] training-split counts
-    sequences: dict[str, list[str]]
-    max_len: int
-    options: RecsysData
-
-    def __post_init__(self):
-        self.index = {item: i + 2 for i, item in enumerate(self.items)}
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self.items) + 2
-
-    def item(self, index: int) -> str:
-        return self.items[index - 2]
-
-    def history(self, example: dict) -> list[str]:
-        """The example's history, or for a `--user` prediction that user's whole sequence."""
-        if example["history"] is not None:
-            return example["history"]
-        if example["user"] not in self.sequences:
-            raise UserError(f"Unknown user {example['user']!r}: not in the training log; give --history instead.")
-        return self.sequences[example["user"]]
-
-    def save(self, directory: Path) -> None:
-        state = {
-            "items": list(self.items),
-            "titles": self.titles,
-            "popularity": self.popularity.tolist(),
-            "sequences": self.sequences,
-        }
-        (directory / "items.json").write_text(json.dumps(state))
-
-    @classmethod
-    def load(cls, directory: Path, max_len: int, options: RecsysData) -> ItemFeaturizer:
-        path = directory / "items.json"
-        if not path.exists():
-            raise UserError(f"{path} is missing: the workdir has no item map.")
-        state = json.loads(path.read_text())
-        return cls(
-            tuple(state["items"]),
-            state["titles"],
-            np.asarray(state["popularity"]),
-            state["sequences"],
-            max_len,
-            options,
-        )
-
-    def ids(self, items: Sequence[str]) -> list[int]:
-        return [self.index[i] for i in items if i in self.index]
-
-    def __call__(self, examples: Sequence[dict]) -> dict[str, np.ndarray]:
-        if examples and examples[0].get("mode") == "train":
-            return self._training(examples)
-        return self._ranking(examples)
-
-    def _training(self, examples: Sequence[dict]) -> dict[str, np.ndarray]:
-        """Every user's history in windows from its end: SASRec reads max_len inputs and predicts
-        the next item at each; BERT4Rec reads max_len items, masked later by `augment`."""
-        shift = 1 if self.options.model_type == "sasrec" else 0
-        span = self.max_len + shift
-        windows = []
-        for example in examples:
-            ids = self.ids(example["history"])
-            for end in range(len(ids), shift, -self.max_len):
-                window = ids[max(0, end - span) : end]
-                if len(window) > shift:
-                    windows.append(window)
-        if not windows:
-            raise UserError("No training sequence is long enough to learn from.")
-        inputs = np.zeros((len(windows), self.max_len), np.int32)
-        targets = np.zeros_like(inputs)
-        for row, window in enumerate(windows):
-            source, target = (window[:-1], window[1:]) if shift else (window, window)
-            inputs[row, : len(source)], targets[row, : len(target)] = source, target
-        mask = inputs != PAD
-        return {
-            "inputs": inputs,
-            "mask": mask,
-            "targets": targets,
-            "target_mask": mask.copy(),
-            "weights": np.ones(len(windows), np.float32),
-            # Lets `augment` draw negatives over the vocabulary without the featurizer.
-            "num_items": np.full(len(windows), len(self.items), np.int32),
-        }
-
-    def _ranking(self, examples: Sequence[dict]) -> dict[str, np.ndarray]:
-        """One row per user: the last max_len history items (BERT4Rec: then the mask token),
-        the position to read, the target, every seen item, and sampled candidates if asked."""
-        histories = [self.ids(self.history(e)) for e in examples]
-        keep = self.max_len - (self.options.model_type == "bert4rec")
-        inputs = np.zeros((len(examples), self.max_len), np.int32)
-        last = np.zeros(len(examples), np.int32)
-        for row, ids in enumerate(histories):
-            window = ids[-keep:] + ([MASK] if self.options.model_type == "bert4rec" else [])
-            if not window:
-                raise UserError(f"User {examples[row]['user']!r} has no known item in their history.")
-            inputs[row, : len(window)] = window
-            last[row] = len(window) - 1
-        seen = np.zeros((len(examples), max(map(len, histories)) or 1), np.int32)
-        for row, ids in enumerate(histories):
-            seen[row, : len(ids)] = ids
-        targets = np.array([self.index.get(e["target"], PAD) if e.get("target") else PAD for e in examples], np.int32)
-        arrays = {
-            "inputs": inputs,
-            "mask": inputs != PAD,
-            "last": last,
-            "seen": seen,
-            "targets": targets,
-            "weights": np.ones(len(examples), np.float32),
-        }
-        if self.options.ranking == "sampled":
-            arrays["candidates"] = self._candidates(targets, histories)
-        return arrays
-
-    def _candidates(self, targets: np.ndarray, histories: list[list[int]]) -> np.ndarray:
-        """Target first, then `candidates` negatives the user has not seen (seed 0)."""
-        rng = np.random.default_rng(0)
-        weights = self.popularity[2:] + 1.0 if self.options.sampling == "popularity" else np.ones(len(self.items))
-        weights = weights / weights.sum()
-        rows = np.zeros((len(targets), 1 + self.options.candidates), np.int32)
-        unseen = [len(self.items) - len(set(ids) | {int(target)}) for target, ids in zip(targets, histories)]
-        if min(unseen) < self.options.candidates:
-            raise UserError(
-                f"data.candidates={self.options.candidates}, but a user has only {min(unseen)} unseen items to "
-                f"sample from: lower data.candidates to at most {min(unseen)}, or use data.ranking=full."
-            )
-        for row, (target, ids) in enumerate(zip(targets, histories)):
-            excluded, chosen = set(ids) | {int(target)}, []
-            while len(chosen) < self.options.candidates:
-                for item in rng.choice(len(self.items), 2 * self.options.candidates, p=weights) + 2:
-                    if item not in excluded and len(chosen) < self.options.candidates:
-                        excluded.add(int(item))
-                        chosen.append(int(item))
-            rows[row] = [target, *chosen]
-        return rows
+    return tiny_preset("recsys", tiny_body(24, causal=True), RecsysData(top_k=5), weight_decay=0.0)
 
 
 class UntiedOutput(nnx.Module):
@@ -277,6 +104,12 @@ class RecsysTask(Task):
                 f"{model_type} needs model.causal={not causal}: use --preset {model_type}, "
                 f"or --set model.causal={not causal}."
             )
+        smoothing = self.config.optim.label_smoothing
+        if smoothing and self.config.data.loss == "bce" and model_type == "sasrec":
+            raise UserError(
+                f"optim.label_smoothing={smoothing}: the sampled BCE loss (data.loss=bce) has no label "
+                "smoothing; use data.loss=softmax or optim.label_smoothing=0."
+            )
 
     def _log(self) -> rec_data.Log:
         o = self.config.data
@@ -296,8 +129,11 @@ class RecsysTask(Task):
             )
             for example in examples:
                 # The whole sequence serves the item map and `--user` predictions, never the loss.
-                example["mode"], example["sequence"] = "train", sequences.by_user[example["user"]]
+                example["sequence"] = sequences.by_user[example["user"]]
         return examples
+
+    def featurize_train(self, featurizer: ItemFeaturizer, examples: Sequence[dict]) -> dict[str, np.ndarray]:
+        return featurizer.training(examples)
 
     def protocol(self) -> dict[str, str]:
         o = self.config.data
@@ -338,7 +174,7 @@ class RecsysTask(Task):
             return TiedOutput(embedder)
         return UntiedOutput(featurizer.vocab_size, self.config.model.d_model, rngs=rngs)
 
-    def augment(self, batch: dict, rng: np.random.Generator) -> dict:
+    def augment(self, batch: dict, rng: np.random.Generator, featurizer) -> dict:
         """BERT4Rec's cloze masking (never on padding; at least one item per row) or SASRec's
         sampled negatives for the BCE loss."""
         o = self.config.data
@@ -350,20 +186,18 @@ class RecsysTask(Task):
             return {**batch, "inputs": np.where(chosen, MASK, batch["inputs"]), "target_mask": chosen}
         if o.loss == "bce":
             # Uniform over all item indices; hitting the target itself is rare and harmless.
-            negatives = rng.integers(MASK + 1, self._vocab_size(batch), (*batch["targets"].shape, o.negatives))
+            negatives = rng.integers(MASK + 1, featurizer.vocab_size, (*batch["targets"].shape, o.negatives))
             return {**batch, "negatives": negatives.astype(np.int32)}
         return batch
-
-    @staticmethod
-    def _vocab_size(batch: dict) -> int:
-        return int(batch["num_items"][0]) + 2
 
     def loss(self, projection: Projection, batch: dict):
         if batch["targets"].ndim == 2:
             weights = batch["target_mask"]
             if self.config.data.loss == "bce" and self.config.data.model_type == "sasrec":
                 return _sampled_bce(projection, batch["targets"], batch["negatives"], weights)
-            return losses.linear_cross_entropy(projection.hidden, projection.weight, batch["targets"], weights)
+            return losses.linear_cross_entropy(
+                projection.hidden, projection.weight, batch["targets"], weights, self.config.optim.label_smoothing
+            )
         scores = self._scores(projection, batch, exclude_seen=False)
         return losses.cross_entropy(scores, batch["targets"], batch["weights"])
 
@@ -426,7 +260,7 @@ class RecsysTask(Task):
         return rows
 
 
-class Recommender:
+class Recommender(Predictor):
     """A trained recsys workdir loaded once, for Python prototypes:
 
     from tasks.recsys.sequential import Recommender
@@ -435,17 +269,14 @@ class Recommender:
     """
 
     def __init__(self, workdir: str | Path):
-        from core import run
-
-        self._run = run
-        self.loaded = run.load(RecsysTask, workdir)
+        super().__init__(RecsysTask, workdir)
 
     def recommend(self, history: Sequence[str], k: int = 10) -> list[dict]:
         """The top-k unseen items after `history` (original item ids, oldest first)."""
-        top_k = self.loaded.task.config.data.top_k
+        top_k = self.task.config.data.top_k
         if not 1 <= k <= top_k:
             raise UserError(f"k={k}: this run returns at most data.top_k={top_k} items.")
-        rows = self._run.predict_loaded(self.loaded, [",".join(map(str, history))])
+        rows = self.predict([",".join(map(str, history))])
         return [{"item": r["item"], "title": r["title"], "score": float(r["score"])} for r in rows[:k]]
 
 

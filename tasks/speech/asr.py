@@ -33,10 +33,11 @@ import numpy as np
 from flax import nnx
 
 from core import ctc, losses
-from core.config import Config, ModelConfig, OptimConfig, TrainConfig, require
-from core.data import bucket_width
+from core.config import Config, DataConfig, ModelConfig, OptimConfig, TrainConfig, require, tiny_body, tiny_preset
+from core.data import decoding_batches
 from core.errors import UserError
 from core.frontends import ConvSubsampling
+from core.run import Predictor
 from core.task import PredictOption, Task, final
 from tasks.speech import corpus
 from tasks.speech.featurizer import SpeechFeaturizer, fit_featurizer
@@ -44,7 +45,7 @@ from tasks.speech.scoring import NORMALIZATION, grouped_error_rates
 
 
 @dataclass(frozen=True, kw_only=True)
-class SpeechData:
+class SpeechData(DataConfig):
     """The corpus, the output units, the context and SpecAugment.
 
     `corpus`: the embedded default read when --data is not given. `units`: characters of
@@ -78,14 +79,8 @@ class SpeechData:
 
 
 def tiny() -> Config:
-    return Config(
-        task="speech",
-        preset="tiny",
-        model=ModelConfig(d_model=32, num_layers=1, num_heads=2, mlp_dim=64, max_len=512, dropout=0.0),
-        optim=OptimConfig(learning_rate=1e-3, warmup_steps=5),
-        train=TrainConfig(batch_size=16, eval_batch_size=16, steps=20, eval_every=10, checkpoint_every=10, log_every=5),
-        data=SpeechData(corpus="digits", conv_channels=8, max_seconds=10.0),
-    )
+    data = SpeechData(corpus="digits", conv_channels=8, max_seconds=10.0)
+    return tiny_preset("speech", tiny_body(512), data, learning_rate=1e-3, eval_batch_size=16)
 
 
 def base() -> Config:
@@ -152,6 +147,10 @@ class SpeechTask(Task):
 
     config: Config
     data: str | None = None
+
+    def __post_init__(self):
+        smoothing = self.config.optim.label_smoothing
+        require(smoothing == 0, "optim.label_smoothing", smoothing, "must be 0: the CTC loss has no label smoothing")
 
     def examples(self, split: str) -> list[dict]:
         if self.data is None:
@@ -227,7 +226,7 @@ class SpeechTask(Task):
             "pocketsphinx": grouped_error_rates([e["text"] for e in test], hypotheses, [voice_groups(e) for e in test])
         }
 
-    def augment(self, batch: dict, rng: np.random.Generator) -> dict:
+    def augment(self, batch: dict, rng: np.random.Generator, featurizer) -> dict:
         """SpecAugment's masks for each row: `freq_masks` bands of up to `freq_mask_bins` mel bins
         and `time_masks` spans of up to `time_mask_ratio` of the row's frames."""
         options = self.config.data
@@ -259,16 +258,11 @@ class SpeechTask(Task):
         if width < 1:
             raise UserError(f"--beam-width {width}: must be at least 1 (1 is greedy).")
         arrays = featurizer(examples)
-        lengths = arrays["mask"].sum(1)
-        order = np.argsort(lengths, kind="stable")
-        batch_size = self.config.train.eval_batch_size
         graphdef, state = nnx.split(model)
         forward = _forward(graphdef)
         texts = [""] * len(examples)
-        for start in range(0, len(order), batch_size):
-            rows = order[start : start + batch_size]
-            frames = bucket_width(int(lengths[rows].max()), arrays["mask"].shape[1])
-            padded = np.concatenate([rows, np.repeat(rows[:1], batch_size - len(rows))])  # one batch shape
+        lengths, batch_size = arrays["mask"].sum(1), self.config.train.eval_batch_size
+        for rows, padded, frames in decoding_batches(lengths, batch_size, arrays["mask"].shape[1]):
             batch = {key: arrays[key][padded, :frames] for key in ("inputs", "mask")}
             log_probs, kept = jax.device_get(forward(state, batch))
             for i, row in enumerate(rows):
@@ -315,9 +309,16 @@ def _forward(graphdef):
     return forward
 
 
-def transcribe(loaded, paths: Sequence[str | Path], beam_width: int = 8) -> list[str]:
-    """Transcripts of audio files with a run loaded by `core.run.load(tasks.get("speech"), workdir)`."""
-    task = loaded.task
-    examples = task.parse_inputs([str(p) for p in paths], {"beam_width": beam_width})
-    model = nnx.merge(loaded.steps.graphdef, loaded.params)
-    return task.generate(model, loaded.featurizer, examples, {"beam_width": beam_width})["text"]
+class Transcriber(Predictor):
+    """A trained speech workdir loaded once, for Python prototypes:
+
+    from tasks.speech.asr import Transcriber
+    Transcriber("runs/speech").transcribe(["a.wav", "b.flac"], beam_width=8)  # [transcript]
+    """
+
+    def __init__(self, workdir: str | Path):
+        super().__init__(SpeechTask, workdir)
+
+    def transcribe(self, paths: Sequence[str | Path], beam_width: int = 8) -> list[str]:
+        """The transcript of each audio file."""
+        return self.outputs([str(p) for p in paths], beam_width=beam_width)[1]["text"]
