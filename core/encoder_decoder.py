@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -50,6 +50,9 @@ class EncoderDecoder(nnx.Module):
     The two front ends may be one module (a vocabulary shared by source and target), and the
     head may tie its output to the target front end (`core.heads.TiedOutput`).
     """
+
+    # The parts that another run's weights fill (`--init-from`): everything but the head.
+    transferred: ClassVar[tuple[str, ...]] = ("source_embedder", "encoder", "target_embedder", "decoder")
 
     def __init__(
         self,

@@ -20,7 +20,8 @@ from core.beam import beam_search, gnmt_penalty
 from core.task import read_predict_options
 from core.train import build_model
 from tasks.nlp import freedict, seq2seq
-from tasks.nlp.seq2seq import Seq2SeqTask, minimum_bayes_risk
+from tasks.nlp.decoding import minimum_bayes_risk
+from tasks.nlp.seq2seq import Seq2SeqTask
 
 # `apps predict`'s defaults: greedy (beams 1 below), no sampling, no MBR.
 DECODING = read_predict_options(Seq2SeqTask.predict_options, {}, "translate")

@@ -13,7 +13,7 @@ from core.errors import UserError
 from tasks.common.tokenizer import BOS, EOS, PAD, Tokenizer
 from tasks.nlp import freedict
 from tasks.nlp.pairs import read_pairs, split_pairs
-from tasks.nlp.seq2seq import Seq2SeqFeaturizer
+from tasks.nlp.seq2seq import Seq2SeqFeaturizer, TextSource
 from tasks.nlp.summarize import rouge_scores
 from tasks.nlp.translate import translation_scores
 
@@ -162,7 +162,7 @@ def test_the_split_is_fixed_and_no_source_is_in_two_splits():
 @pytest.fixture(scope="module")
 def featurizer():
     tokenizer = Tokenizer.train(["a b c d e f g h", "b c d e", "g h a b"] * 20, 30)
-    return Seq2SeqFeaturizer(tokenizer, tokenizer, source_len=12, target_len=6)
+    return Seq2SeqFeaturizer(TextSource(tokenizer, 12), tokenizer, target_len=6)
 
 
 def test_features_of_a_pair_by_hand(featurizer, apps_log):
@@ -233,17 +233,19 @@ def test_empty_predict_input_is_refused():
 
 
 def test_a_glossary_puts_the_gloss_after_the_source_and_travels_with_the_featurizer(featurizer, tmp_path):
-    glossed = dataclasses.replace(featurizer, glossary={"a": "g", "b": "h"}, source_len=20)
-    assert glossed.encoder_text("a b c.") == "a b c. = g h c."
-    pieces = featurizer.source.processor.encode
-    [source] = glossed.source_ids(["a b"])
-    np.testing.assert_array_equal(source, [*pieces("a b = g h"), EOS])
+    source = dataclasses.replace(featurizer.source, glossary={"a": "g", "b": "h"}, length=20)
+    glossed = dataclasses.replace(featurizer, source=source)
+    assert source.text("a b c.") == "a b c. = g h c."
+    pieces = featurizer.target.processor.encode
+    [ids] = source([{"source": "a b", "target": ""}])
+    np.testing.assert_array_equal(ids, [*pieces("a b = g h"), EOS])
     glossed.save(tmp_path)
-    again = Seq2SeqFeaturizer.load(tmp_path, 20, 6)
-    assert again.glossary == {"a": "g", "b": "h"} and again.encoder_text("b a") == "b a = h g"
+    again = Seq2SeqFeaturizer.load_text(tmp_path, 20, 6)
+    assert again.source.glossary == {"a": "g", "b": "h"} and again.source.text("b a") == "b a = h g"
+    assert again.shared and again.source.vocabulary is again.target
     (tmp_path / "plain").mkdir()
     featurizer.save(tmp_path / "plain")
-    assert Seq2SeqFeaturizer.load(tmp_path / "plain", 12, 6).glossary is None
+    assert Seq2SeqFeaturizer.load_text(tmp_path / "plain", 12, 6).source.glossary is None
 
 
 def test_a_glossary_needs_english_sources():

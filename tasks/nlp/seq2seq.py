@@ -24,10 +24,9 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, Protocol
 
 import numpy as np
-import sacrebleu
 from flax import nnx
 
 from core import losses, penalties
@@ -39,6 +38,7 @@ from core.errors import UserError
 from core.heads import CopyOutput, CopyProjection, Projection, TiedOutput, TokenEmbedder
 from core.task import PredictOption, Task, scored_positions
 from tasks.common.tokenizer import BOS, EOS, PAD, Tokenizer
+from tasks.nlp.decoding import decoding_options, minimum_bayes_risk
 from tasks.nlp.freedict import word_by_word
 from tasks.nlp.pairs import read_pairs, split_pairs, synthetic_pairs
 
@@ -93,52 +93,89 @@ def preset(task: str, name: str, model: ModelConfig, data: Seq2SeqData, steps: i
     )
 
 
-@dataclass
-class Seq2SeqFeaturizer:
-    """The source and target tokenizers (one object when shared), the length budgets, and an
-    optional glossary (word -> translation) whose word-by-word gloss the encoder reads after
-    each source."""
+class SourceFeaturizer(Protocol):
+    """The source side of a seq2seq example as the encoder reads it: token ids of a text
+    (`TextSource`) or an audio clip's frames. `length`: the most positions of a source (longer
+    ones are cut); `vocabulary`: the tokenizer of token ids (shared with the target or not), or
+    None for frames."""
 
-    source: Tokenizer
-    target: Tokenizer
-    source_len: int
-    target_len: int
+    length: int
+    vocabulary: Tokenizer | None
+
+    def __call__(self, examples: Sequence[dict]) -> list[np.ndarray]:
+        """Each example's source rows: ids [S] or frames [S, F], S at most `length`."""
+
+    def embedder(self, d_model: int, rngs: nnx.Rngs) -> nnx.Module:
+        """The front end that reads these rows: (rows [B, S(, F)], mask) -> (x [B, S', D], mask)."""
+
+    def save(self, directory: Path) -> None:
+        """What the source side keeps besides its tokenizer (which `Seq2SeqFeaturizer` saves)."""
+
+
+@dataclass
+class TextSource:
+    """A text source: its sentencepiece pieces and EOS, cut to `length` (with a warning); with a
+    glossary (word -> translation), the source followed by " = " and its word-by-word gloss."""
+
+    vocabulary: Tokenizer
+    length: int
     glossary: dict[str, str] | None = None
 
     GLOSSARY = "glossary.json.gz"
 
-    @property
-    def shared(self) -> bool:
-        return self.source is self.target
+    def text(self, source: str) -> str:
+        """What the encoder reads of a source text."""
+        return source if self.glossary is None else f"{source} = {word_by_word(source, self.glossary)}"
+
+    def __call__(self, examples: Sequence[dict]) -> list[np.ndarray]:
+        texts = [self.text(e["source"]) for e in examples]
+        return _cut(self.vocabulary.processor.encode(texts), self.length, "source", "data.source_len")
+
+    def embedder(self, d_model: int, rngs: nnx.Rngs) -> nnx.Module:
+        return TokenEmbedder(self.vocabulary.vocab_size, d_model, rngs=rngs)
 
     def save(self, directory: Path) -> None:
         if self.glossary is not None:
             (directory / self.GLOSSARY).write_bytes(gzip.compress(json.dumps(self.glossary).encode("utf-8")))
+
+    @classmethod
+    def load(cls, directory: Path, vocabulary: Tokenizer, length: int) -> TextSource:
+        path = directory / cls.GLOSSARY
+        glossary = json.loads(gzip.decompress(path.read_bytes())) if path.exists() else None
+        return cls(vocabulary, length, glossary)
+
+
+@dataclass
+class Seq2SeqFeaturizer:
+    """A source featurizer, the target tokenizer (the source's own when they share a vocabulary)
+    and the target's length budget: examples -> the encoder-decoder's batch arrays."""
+
+    source: SourceFeaturizer
+    target: Tokenizer
+    target_len: int
+
+    @property
+    def shared(self) -> bool:
+        return self.source.vocabulary is self.target
+
+    def save(self, directory: Path) -> None:
+        self.source.save(directory)
         if self.shared:
-            self.source.save(directory)
+            self.target.save(directory)
             return
-        for side, tokenizer in (("source", self.source), ("target", self.target)):
+        sides = (("source", self.source.vocabulary), ("target", self.target))
+        for side, tokenizer in ((side, tokenizer) for side, tokenizer in sides if tokenizer is not None):
             (directory / side).mkdir(exist_ok=True)
             tokenizer.save(directory / side)
 
     @classmethod
-    def load(cls, directory: Path, source_len: int, target_len: int) -> Seq2SeqFeaturizer:
-        glossary = directory / cls.GLOSSARY
-        glossary = json.loads(gzip.decompress(glossary.read_bytes())) if glossary.exists() else None
+    def load_text(cls, directory: Path, source_len: int, target_len: int) -> Seq2SeqFeaturizer:
+        """The featurizer of a text-to-text run, saved under `directory`."""
         if (directory / Tokenizer.FILE).exists():
             shared = Tokenizer.load(directory)
-            return cls(shared, shared, source_len, target_len, glossary)
-        sides = Tokenizer.load(directory / "source"), Tokenizer.load(directory / "target")
-        return cls(*sides, source_len, target_len, glossary)
-
-    def encoder_text(self, source: str) -> str:
-        """What the encoder reads: the source, and with a glossary " = " and its gloss."""
-        return source if self.glossary is None else f"{source} = {word_by_word(source, self.glossary)}"
-
-    def source_ids(self, texts: Sequence[str]) -> list[np.ndarray]:
-        """Each source's pieces (with its gloss) and EOS, cut to `source_len` (with a warning)."""
-        texts = [self.encoder_text(text) for text in texts]
-        return _cut(self.source.processor.encode(texts), self.source_len, "source", "data.source_len")
+            return cls(TextSource.load(directory, shared, source_len), shared, target_len)
+        source = TextSource.load(directory, Tokenizer.load(directory / "source"), source_len)
+        return cls(source, Tokenizer.load(directory / "target"), target_len)
 
     def text(self, ids: Sequence[int]) -> str:
         """The target text of generated ids (up to the first EOS)."""
@@ -146,26 +183,35 @@ class Seq2SeqFeaturizer:
         return self.target.decode(ids[: ids.index(EOS)] if EOS in ids else ids)
 
     def __call__(self, examples: Sequence[dict]) -> dict[str, np.ndarray]:
-        sources = self.source_ids([e["source"] for e in examples])
+        inputs, mask = padded(self.source(examples), self.source.length)
         targets = _cut(
             self.target.processor.encode([e["target"] for e in examples]), self.target_len, "target", "data.target_len"
         )
-        inputs = np.full((len(examples), self.source_len), PAD, np.int32)
         decoder_inputs = np.full((len(examples), self.target_len), PAD, np.int32)
         outputs = np.full((len(examples), self.target_len), PAD, np.int32)
-        for row, (source, target) in enumerate(zip(sources, targets)):
-            inputs[row, : len(source)] = source
+        for row, target in enumerate(targets):
             outputs[row, : len(target)] = target
             decoder_inputs[row, : len(target)] = [BOS, *target[:-1]]
         return {
             "inputs": inputs,
-            "mask": inputs != PAD,
+            "mask": mask,
             "decoder_inputs": decoder_inputs,
             "decoder_mask": outputs != PAD,
             "targets": outputs,
             "target_mask": outputs != PAD,
             "weights": np.ones(len(examples), np.float32),
         }
+
+
+def padded(rows: Sequence[np.ndarray], width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Source rows (ids [S] or frames [S, F]) padded to `width` positions (PAD, or zero frames),
+    and the mask [B, width] of their real positions."""
+    shape, dtype = (rows[0].shape[1:], rows[0].dtype) if rows else ((), np.int32)
+    inputs = np.full((len(rows), width, *shape), PAD, dtype)
+    mask = np.zeros((len(rows), width), bool)
+    for row, source in enumerate(rows):
+        inputs[row, : len(source)], mask[row, : len(source)] = source, True
+    return inputs, mask
 
 
 def _cut(pieces: list[list[int]], length: int, side: str, key: str) -> list[np.ndarray]:
@@ -175,26 +221,6 @@ def _cut(pieces: list[list[int]], length: int, side: str, key: str) -> list[np.n
     if long:
         log.warning("%d of %d %ss are longer than %s=%d pieces and were cut to it.", long, len(rows), side, key, length)
     return [row[:length] for row in rows]
-
-
-def decoding_options(no_repeat_ngram: int = 0, word_reward: float = 0.0) -> tuple[PredictOption, ...]:
-    """`apps predict`'s options of a seq2seq task, with the task's defaults of the penalties
-    (`core.penalties`), which it tunes on its valid split."""
-    return (
-        PredictOption("beams", int, 4, "beam search with this many beams (1: greedy or sampling)"),
-        PredictOption("length_penalty", float, 0.6, "beam search: GNMT length penalty exponent"),
-        *penalties.options(no_repeat_ngram, word_reward),
-        PredictOption("temperature", float, 0.0, "with --beams 1: softmax temperature; 0 is greedy"),
-        PredictOption("seed", int, 0, "random seed of the sampling"),
-        PredictOption(
-            "mbr",
-            int,
-            0,
-            "minimum Bayes risk: sample this many outputs (at --mbr-temperature) and return, of them and "
-            "the greedy and beam outputs, the one with the highest mean chrF against the samples; 0 is off",
-        ),
-        PredictOption("mbr_temperature", float, 0.7, "the softmax temperature of the samples of --mbr"),
-    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -243,14 +269,15 @@ class Seq2SeqTask(Task):
             source = target = Tokenizer.train(sources + targets, options.vocab_size)
         else:
             source, target = Tokenizer.train(sources, options.vocab_size), Tokenizer.train(targets, options.vocab_size)
-        return Seq2SeqFeaturizer(source, target, options.source_len, options.target_len, self.glossary(train))
+        text = TextSource(source, options.source_len, self.glossary(train))
+        return Seq2SeqFeaturizer(text, target, options.target_len)
 
     def load_featurizer(self, directory: Path) -> Seq2SeqFeaturizer:
-        return Seq2SeqFeaturizer.load(directory, self.config.data.source_len, self.config.data.target_len)
+        return Seq2SeqFeaturizer.load_text(directory, self.config.data.source_len, self.config.data.target_len)
 
     def model(self, featurizer: Seq2SeqFeaturizer, config: Config, rngs: nnx.Rngs) -> EncoderDecoder:
         d_model = config.model.d_model
-        source = TokenEmbedder(featurizer.source.vocab_size, d_model, rngs=rngs)
+        source = featurizer.source.embedder(d_model, rngs)
         target = source if featurizer.shared else TokenEmbedder(featurizer.target.vocab_size, d_model, rngs=rngs)
         head = CopyOutput(target, d_model, rngs=rngs) if config.data.copy else TiedOutput(target)
         return EncoderDecoder.build(config.model, source, target, head, remat=config.train.remat, rngs=rngs)
@@ -277,7 +304,7 @@ class Seq2SeqTask(Task):
             raise UserError(f"--beams {options['beams']}: must be at least 1 (1 is greedy, more search).")
         if options["mbr"] < 0:
             raise UserError(f"--mbr {options['mbr']}: must be at least 0 (0 is off).")
-        sources = featurizer.source_ids([e["source"] for e in examples])
+        sources = featurizer.source(examples)
         if not options["mbr"]:
             return {"text": self.decode_texts(model, featurizer, sources, options)}
         if options["mbr_temperature"] <= 0:
@@ -300,14 +327,14 @@ class Seq2SeqTask(Task):
         batch_size, data = self.config.train.eval_batch_size, self.config.data
         texts: list[str] = [""] * len(sources)
         lengths = [len(source) for source in sources]
-        for rows, padded, width in decoding_batches(lengths, batch_size, data.source_len):
+        for rows, filled, width in decoding_batches(lengths, batch_size, data.source_len):
             settings = {
                 "max_new_tokens": max(1, min(data.target_len, int(data.max_len_a * width) + data.max_len_b)),
                 "bos": BOS,
                 "stop_tokens": (EOS,),
                 "width": width,
             }
-            batch = [sources[i] for i in padded]
+            batch = [sources[i] for i in filled]
             settings |= penalties.from_options(options)
             if options["beams"] > 1:
                 beams = generate_beams_from_source(
@@ -330,20 +357,6 @@ class Seq2SeqTask(Task):
 
     def render(self, predictions, examples, featurizer) -> list[dict[str, str]]:
         return [{"source": e["source"], self.output_name: text} for e, text in zip(examples, predictions["text"])]
-
-
-def minimum_bayes_risk(candidates: Sequence[Sequence[str]], samples: Sequence[Sequence[str]]) -> list[str]:
-    """Per source, the candidate of highest expected utility, the mean sentence chrF against the
-    model's own samples (sampling-based MBR with a chrF utility; Eikema & Aziz 2020, Freitag et
-    al. 2022): the output that agrees most with what the model would write, not its single most
-    likely one. The first of equal candidates wins."""
-    chrf = sacrebleu.metrics.CHRF()
-    chosen = []
-    for pool, references in zip(candidates, samples):
-        unique = list(dict.fromkeys(pool))
-        utility = [sum(chrf.sentence_score(text, [reference]).score for reference in references) for text in unique]
-        chosen.append(unique[int(np.argmax(utility))])
-    return chosen
 
 
 def _cross_entropy(outputs: Projection | CopyProjection, batch: dict, label_smoothing: float = 0.0):

@@ -24,8 +24,9 @@ import sacrebleu
 from core.config import modern_blocks, require
 from core.task import PredictOption, final
 from tasks.nlp import freedict
+from tasks.nlp.decoding import decoding_options
 from tasks.nlp.pairs import normalized
-from tasks.nlp.seq2seq import Seq2SeqData, Seq2SeqTask, decoding_options, preset
+from tasks.nlp.seq2seq import Seq2SeqData, Seq2SeqTask, preset
 
 MAX_WORDS = 24
 
@@ -153,7 +154,7 @@ class TranslateTask(Seq2SeqTask):
             words = freedict.choose_senses(freedict.senses(), [e["target"] for e in train])
             found = {"dictionary": translation_scores([freedict.word_by_word(s, words) for s in sources], references)}
             if self.config.data.glossary in ("phrases", "learned"):
-                glosses = [freedict.word_by_word(s, featurizer.glossary) for s in sources]
+                glosses = [freedict.word_by_word(s, featurizer.source.glossary) for s in sources]
                 found["gloss"] = translation_scores(glosses, references)
             return found
         return {"copy_source": translation_scores(sources, references)}
