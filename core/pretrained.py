@@ -53,6 +53,7 @@ ARCHITECTURE = (
     "norm",
     "mlp",
     "positions",
+    "rope_base",
     "causal",
     "norm_position",
     "embedding_norm",
