@@ -54,6 +54,11 @@ def _field(reader, key: str, path: Path, default=None):
     return field.contents()
 
 
+def _shape(tensor) -> tuple[int, ...]:
+    """A GGUF tensor's shape in numpy's order ([out, in] for a linear weight): GGUF lists it reversed."""
+    return tuple(int(n) for n in reversed(tensor.shape.tolist()))
+
+
 def unpermute(weight: np.ndarray, heads: int) -> np.ndarray:
     """A query or key weight [heads * H, D] from llama.cpp's interleaved-rotary row order back to
     Hugging Face's half-split order (the inverse of llama.cpp's `permute`)."""
@@ -102,14 +107,17 @@ class LlamaGGUF(Family):
 
         model, tensors = checkpoint.model, {}
         for tensor in _reader(checkpoint.weights).tensors:
-            shape = [int(n) for n in reversed(tensor.shape.tolist())]
-            value = np.asarray(dequantize(tensor.data, tensor.tensor_type), np.float32).reshape(shape)
+            value = np.asarray(dequantize(tensor.data, tensor.tensor_type), np.float32).reshape(_shape(tensor))
             if tensor.name.endswith("attn_q.weight"):
                 value = unpermute(value, model.num_heads)
             elif tensor.name.endswith("attn_k.weight"):
                 value = unpermute(value, model.key_value_heads)
             tensors[tensor.name] = value
         return tensors
+
+    def shapes(self, checkpoint: Checkpoint) -> dict[str, tuple[int, ...]]:
+        """Every tensor's [out, in] shape from the file's tensor table, nothing dequantized."""
+        return {tensor.name: _shape(tensor) for tensor in _reader(checkpoint.weights).tensors}
 
     def rules(self, checkpoint: Checkpoint, names: set[str]) -> list[Rule]:
         found = [

@@ -98,6 +98,11 @@ class Family(abc.ABC):
         """Every tensor of the checkpoint, by name, as `rules` reads them (a safetensors file here)."""
         return read_tensors(checkpoint.weights)
 
+    def shapes(self, checkpoint: Checkpoint) -> dict[str, tuple[int, ...]]:
+        """Every tensor's shape as `tensors` gives it, read from the file's header alone."""
+        with safetensors.safe_open(checkpoint.weights, framework="numpy") as file:
+            return {name: tuple(file.get_slice(name).get_shape()) for name in file.keys()}
+
     def tokenizer_json(self, checkpoint: Checkpoint) -> str:
         """The checkpoint's tokenizer as a `tokenizers` JSON text (its tokenizer.json here)."""
         path = checkpoint.directory / "tokenizer.json"
@@ -366,7 +371,7 @@ def export(model: nnx.Module, name_or_path: str) -> dict[str, np.ndarray]:
     """The model's pretrained part as the checkpoint's named tensors: `load`'s inverse, rule by rule."""
     checkpoint = read_checkpoint(name_or_path)
     family = families()[checkpoint.reader]
-    shapes = {name: tuple(tensor.shape) for name, tensor in family.tensors(checkpoint).items()}
+    shapes = family.shapes(checkpoint)  # export writes the model's values: the file's are not read
     params = flat_params(model)
     tensors = {}
     for rule in family.rules(checkpoint, set(shapes)):
