@@ -169,10 +169,21 @@ def predict(
         ),
     ] = None,
     workdir: WorkdirOpt = None,
+    model: Annotated[
+        Optional[str],
+        typer.Option(
+            help="Predict with a pretrained checkpoint instead of a trained run: a shipped name "
+            "(lm: smollm2-135m-instruct), a .gguf file or a Hugging Face folder."
+        ),
+    ] = None,
 ) -> None:
-    """Predict with the best checkpoint of WORKDIR."""
+    """Predict with the best checkpoint of WORKDIR (or a pretrained --model)."""
     task_type = _task(task)
-    lines, options = _split_options(inputs or [])
+    if model is not None and workdir is not None:
+        raise UserError("Give --workdir (a trained run) or --model (a pretrained checkpoint), not both.")
+    from core.task import switches
+
+    lines, options = _split_options(inputs or [], switches(task_type.predict_options))
     if not lines and sys.stdin is not None and not sys.stdin.isatty():
         lines = _stdin_lines()
     _show_task_log()
@@ -193,7 +204,8 @@ def predict(
         sys.stdout.flush()
 
     streams = task_type.generates and len(lines) == 1
-    rows = run.predict(task_type, workdir or Path("runs") / task, lines, options, on_text=write if streams else None)
+    source = {"model": model} if model is not None else {"workdir": workdir or Path("runs") / task}
+    rows = run.predict(task_type, lines=lines, options=options, on_text=write if streams else None, **source)
     if shown:
         write("\n")
         return
@@ -264,14 +276,17 @@ def embed(
     typer.echo(f"Wrote {len(lines)} embeddings of size {vectors.shape[1]} to {path}.")
 
 
-def _split_options(arguments: list[str]) -> tuple[list[str], dict[str, str]]:
-    """Positional inputs, and `--flag value` / `--flag=value` pairs for the task to read."""
+def _split_options(arguments: list[str], switches: set[str] = frozenset()) -> tuple[list[str], dict[str, str]]:
+    """Positional inputs, and `--flag value` / `--flag=value` pairs for the task to read; a
+    switch (`--chat`) stands alone."""
     lines, options, index = [], {}, 0
     while index < len(arguments):
         argument = arguments[index]
         if argument.startswith("--") and len(argument) > 2:
             flag, sep, value = argument.partition("=")
-            if not sep:
+            if not sep and flag in switches:
+                value = "true"
+            elif not sep:
                 if index + 1 == len(arguments):
                     raise UserError(f"{flag} needs a value.")
                 index, value = index + 1, arguments[index + 1]

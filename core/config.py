@@ -19,6 +19,9 @@ from typing import Any, Literal
 
 from core.errors import UserError
 
+# The linear layers that LoRA adapters may wrap, by their names in core/transformer.py.
+LORA_TARGETS = ("qkv", "out", "up", "down")
+
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
@@ -64,6 +67,13 @@ class ModelConfig:
     # logistic regression fitted on the loaded trunk's features of the training rows, so that
     # fine-tuning starts from a head that already reads them (LP-FT; core/transfer.py).
     head_init: Literal["random", "probe"] = "random"
+    # LoRA (core/lora.py) on a `pretrained` body: each named linear layer (attention qkv and
+    # out, MLP up and down) gains a trained low-rank update B(A x) * lora_alpha / lora_rank while
+    # the checkpoint's weights stay frozen; checkpoints hold the adapters and the head only.
+    # lora_rank 0: every weight trains.
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_targets: tuple[str, ...] = ("qkv", "out", "up", "down")
 
     def __post_init__(self):
         for key in ("d_model", "num_layers", "num_heads", "mlp_dim", "max_len"):
@@ -100,6 +110,22 @@ class ModelConfig:
         if self.init_from is not None:
             require(
                 self.pretrained is None, "model.init_from", self.init_from, "and model.pretrained exclude each other"
+            )
+        require(self.lora_rank >= 0, "model.lora_rank", self.lora_rank, "must be >= 0 (0: no adapters)")
+        if self.lora_rank:
+            require(
+                self.pretrained is not None,
+                "model.lora_rank",
+                self.lora_rank,
+                "adapts a pretrained body: set model.pretrained (or use a preset that does)",
+            )
+            require(self.lora_alpha > 0, "model.lora_alpha", self.lora_alpha, "must be positive")
+            unknown = sorted(set(self.lora_targets) - set(LORA_TARGETS))
+            require(
+                bool(self.lora_targets) and not unknown,
+                "model.lora_targets",
+                self.lora_targets,
+                f"must name some of {', '.join(LORA_TARGETS)}",
             )
         require(
             self.head_init == "random" or self.init_from is not None or self.pretrained is not None,

@@ -154,7 +154,10 @@ class LlamaGGUF(Family):
         tokens = _field(reader, "tokenizer.ggml.tokens", path)
         merges = [tuple(merge.split(" ", 1)) for merge in _field(reader, "tokenizer.ggml.merges", path)]
         types = _field(reader, "tokenizer.ggml.token_type", path)
-        bpe = models.BPE(vocab={token: i for i, token in enumerate(tokens)}, merges=merges, fuse_unk=False)
+        try:
+            bpe = models.BPE(vocab={token: i for i, token in enumerate(tokens)}, merges=merges, fuse_unk=False)
+        except Exception as error:  # tokenizers reports a bad vocabulary as a plain Exception
+            raise UserError(f"{path}: the tokenizer in its metadata does not build ({error}).") from None
         tokenizer = tokenizers.Tokenizer(bpe)
         tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
@@ -163,6 +166,28 @@ class LlamaGGUF(Family):
         special = [token for token, kind in zip(tokens, types) if kind == CONTROL]
         tokenizer.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False) for t in special])
         return tokenizer.to_str()
+
+    def tokenizer_config(self, checkpoint: Checkpoint) -> dict:
+        """The special tokens, whether texts begin with BOS, the chat template and the tokens
+        that end a generation (EOS, and the end-of-turn token where the file names one)."""
+        reader, path = _reader(checkpoint.weights), checkpoint.weights
+        tokens = _field(reader, "tokenizer.ggml.tokens", path)
+        ids = {
+            key: _field(reader, f"tokenizer.ggml.{key}_token_id", path, -1) for key in ("bos", "eos", "padding", "eot")
+        }
+        config = {
+            f"{key}_token": tokens[int(ids[field])]
+            for key, field in (("bos", "bos"), ("eos", "eos"), ("pad", "padding"))
+            if 0 <= int(ids[field]) < len(tokens)
+        }
+        # llama.cpp's default: a sentencepiece vocabulary adds BOS, a byte-level BPE one does not.
+        default = _field(reader, "tokenizer.ggml.model", path) == "llama"
+        config["add_bos_token"] = bool(_field(reader, "tokenizer.ggml.add_bos_token", path, default))
+        template = _field(reader, "tokenizer.chat_template", path, "")
+        if template:
+            config["chat_template"] = template
+        config["stop_ids"] = [int(ids[key]) for key in ("eos", "eot") if 0 <= int(ids[key]) < len(tokens)]
+        return config
 
 
 register(

@@ -110,6 +110,32 @@ class Family(abc.ABC):
             raise UserError(f"{checkpoint.directory} has no tokenizer.json: the checkpoint's tokenizer is needed.")
         return path.read_text()
 
+    def tokenizer_config(self, checkpoint: Checkpoint) -> dict[str, Any]:
+        """What a generating model needs beside the tokenizer, in the keys of Hugging Face's
+        tokenizer_config.json: bos_token, eos_token, pad_token (texts), add_bos_token,
+        chat_template; and stop_ids, the ids of every token that ends a generation (generation_config.json's
+        eos_token_id). A folder's own files here; {} where it has none."""
+        found: dict[str, Any] = {}
+        for name in ("tokenizer_config.json", "generation_config.json"):
+            path = checkpoint.directory / name
+            if path.is_file():
+                try:
+                    found[name] = json.loads(path.read_text())
+                except (json.JSONDecodeError, UnicodeDecodeError) as error:
+                    raise UserError(f"{path} is not valid JSON: {error}.") from None
+        config = {
+            key: value.get("content") if isinstance(value, dict) else value
+            for key, value in found.get("tokenizer_config.json", {}).items()
+            if key in ("bos_token", "eos_token", "pad_token", "add_bos_token", "chat_template")
+        }
+        template = checkpoint.directory / "chat_template.jinja"
+        if template.is_file():
+            config["chat_template"] = template.read_text()
+        stop = found.get("generation_config.json", {}).get("eos_token_id")
+        if stop is not None:
+            config["stop_ids"] = stop if isinstance(stop, list) else [stop]
+        return config
+
 
 _FAMILIES: dict[str, Family] = {}
 
@@ -188,10 +214,12 @@ def read_checkpoint(name_or_path: str) -> Checkpoint:
     )
 
 
-def tokenizer_json(name_or_path: str) -> tuple[str, int]:
-    """The checkpoint's tokenizer (a `tokenizers` JSON text) and its vocabulary size."""
+def tokenizer_files(name_or_path: str) -> tuple[str, dict[str, Any], int]:
+    """The checkpoint's tokenizer (a `tokenizers` JSON text), its `Family.tokenizer_config` and
+    its vocabulary size."""
     checkpoint = read_checkpoint(name_or_path)
-    return families()[checkpoint.reader].tokenizer_json(checkpoint), checkpoint.vocab_size
+    family = families()[checkpoint.reader]
+    return family.tokenizer_json(checkpoint), family.tokenizer_config(checkpoint), checkpoint.vocab_size
 
 
 def architecture(name_or_path: str, **choices) -> ModelConfig:

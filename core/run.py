@@ -21,7 +21,6 @@ from typing import Any
 
 import jax
 import numpy as np
-from flax import nnx
 from jax.experimental import multihost_utils
 from rich.console import Console
 
@@ -160,13 +159,34 @@ def load(task_type: type, workdir: str | Path, data: str | None = None) -> Loade
     config = Config.from_dict(raw, task_type.data_type)
     task = task_type(config=config, data=data)
     featurizer = task.load_featurizer(workdir / "featurizer")
-    steps = make_steps(task, build_model(task, featurizer, config), config, config.train.steps, training=False)
+    # A LoRA run's checkpoints hold its adapters and head: the body comes from the pretrained checkpoint.
+    model = build_model(task, featurizer, config, from_pretrained=config.model.lora_rank > 0)
+    steps = make_steps(task, model, config, config.train.steps, training=False)
     checkpoints = Checkpoints(workdir, read_only=True)
     try:
         restored = checkpoints.restore_params(steps.state["params"])
     finally:
         checkpoints.close()
     return Loaded(task, featurizer, steps, restored.value, restored.where)
+
+
+def load_pretrained(task_type: type, name: str) -> Loaded:
+    """A pretrained checkpoint as a run never trained, for a task that predicts with one as it is
+    (`Task.zero_shot`): the default preset with `model.pretrained=name` over the checkpoint's
+    whole context, its weights, and the featurizer that the task fits on no examples (the
+    checkpoint's tokenizer)."""
+    if not task_type.zero_shot:
+        raise UserError(
+            f"{task_type.name} predicts with a trained run (--workdir); --model serves the tasks that use a "
+            "pretrained checkpoint as it is (lm)."
+        )
+    context = pretrained.read_checkpoint(name).model.max_len
+    config = make_config(task_type, None, [f"model.pretrained={name!r}", f"model.max_len={context}"])
+    task = task_type(config=config)
+    featurizer = task.fit_featurizer([])
+    model = build_model(task, featurizer, config, from_pretrained=True)
+    steps = make_steps(task, model, config, config.train.steps, training=False)
+    return Loaded(task, featurizer, steps, steps.state["params"], f"pretrained {name}")
 
 
 def evaluate(
@@ -181,7 +201,7 @@ def evaluate(
     )
     result: dict[str, Any] = {**streamed, **task.score(predictions, examples, featurizer)}
     if task.evaluated_decodings:
-        model = nnx.merge(loaded.steps.graphdef, loaded.params)
+        model = loaded.steps.model(loaded.params)
         defaults = read_predict_options(task.predict_options, {}, task.name)
         for name, settings in task.evaluated_decodings.items():
             generated = task.generate(model, featurizer, examples, {**defaults, **settings})
@@ -195,19 +215,24 @@ def evaluate(
 
 
 class Predictor:
-    """A trained run loaded once, predicting many times: the one way to call a run from Python
-    (tasks add methods on top: `tasks.nlp.lm.LanguageModel`, `tasks.recsys.sequential.Recommender`,
-    `tasks.speech.asr.Transcriber`).
+    """A trained run (or, for a zero-shot task, a pretrained checkpoint) loaded once, predicting
+    many times: the one way to call a model from Python (tasks add methods on top:
+    `tasks.nlp.lm.LanguageModel`, `tasks.recsys.sequential.Recommender`, `tasks.speech.asr.Transcriber`).
 
     predictor = run.Predictor(tasks.get("translate"), "runs/translate")
     predictor.predict(["the new house"], beams=4)  # rows as `apps predict` prints them
     predictor.outputs(["the new house"], beams=4)  # the task's predictions, unrendered
+    run.Predictor(tasks.get("lm"), model="smollm2-135m-instruct").predict(["Hi"], chat=True)
     """
 
-    def __init__(self, task_type: type, workdir: str | Path, data: str | None = None):
-        self.loaded = load(task_type, workdir, data)
+    def __init__(
+        self, task_type: type, workdir: str | Path | None = None, data: str | None = None, *, model: str | None = None
+    ):
+        if (workdir is None) == (model is None):
+            raise UserError("A Predictor reads a trained run (workdir) or a pretrained checkpoint (model): give one.")
+        self.loaded = load(task_type, workdir, data) if model is None else load_pretrained(task_type, model)
         self.task, self.featurizer = self.loaded.task, self.loaded.featurizer
-        self.model = nnx.merge(self.loaded.steps.graphdef, self.loaded.params)
+        self.model = self.loaded.steps.model(self.loaded.params)
 
     def options(self, given: dict[str, Any]) -> dict[str, Any]:
         """Every `predict_options` value by name: the given ones, else the defaults."""
@@ -244,15 +269,18 @@ class Predictor:
 
 def predict(
     task_type: type,
-    workdir: str | Path,
-    lines: Sequence[str],
+    workdir: str | Path | None = None,
+    lines: Sequence[str] = (),
     options: dict[str, str] | None = None,
     on_text: Callable[[str], None] | None = None,
+    *,
+    model: str | None = None,
 ) -> list[dict[str, str]]:
-    """`Predictor.predict` once, with `options` as the command line gives them: the task's
-    `apps predict` flags (`--max-new-tokens`) mapped to their text."""
+    """`Predictor.predict` once (of the run in `workdir` or the checkpoint `model`), with
+    `options` as the command line gives them: the task's `apps predict` flags
+    (`--max-new-tokens`) mapped to their text."""
     values = read_predict_options(task_type.predict_options, options or {}, task_type.name)
-    return Predictor(task_type, workdir).predict(lines, on_text, **values)
+    return Predictor(task_type, workdir, model=model).predict(lines, on_text, **values)
 
 
 def embed(
@@ -263,7 +291,7 @@ def embed(
     loaded = load(task_type, workdir)
     task = loaded.task
     examples = task.parse_inputs(lines, read_predict_options(task.predict_options, {}, task.name))
-    model = nnx.merge(loaded.steps.graphdef, loaded.params)
+    model = loaded.steps.model(loaded.params)
     vectors = task.embed(model, loaded.featurizer, examples, per_position)
     ids = [str(e["id"]) for e in examples]
     repeated = sorted({i for i in ids if ids.count(i) > 1})

@@ -49,7 +49,7 @@ class PredictOption:
     """One `apps predict` option of a task: `--max-new-tokens 50` for the name "max_new_tokens"."""
 
     name: str
-    type: type  # int, float or str: how the value given on the command line is read
+    type: type  # int, float, str, or bool (a switch: `--chat` alone): how the command line's value is read
     default: Any
     help: str
 
@@ -68,11 +68,24 @@ def read_predict_options(declared: Sequence[PredictOption], given: dict[str, str
     values = {option.name: option.default for option in declared}
     for flag, text in given.items():
         option = by_flag[flag]
+        if option.type is bool:
+            if text.lower() not in SWITCH_VALUES:
+                raise UserError(f"{flag} {text!r}: a switch takes no value (or true / false).")
+            values[option.name] = SWITCH_VALUES[text.lower()]
+            continue
         try:
             values[option.name] = option.type(text)
         except ValueError:
             raise UserError(f"{flag} {text!r}: expected {option.type.__name__}.") from None
     return values
+
+
+SWITCH_VALUES = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+
+
+def switches(declared: Sequence[PredictOption]) -> set[str]:
+    """The flags of the boolean options, which the command line gives without a value."""
+    return {option.flag for option in declared if option.type is bool}
 
 
 def scored_positions(batch: Batch) -> jax.Array:
@@ -187,6 +200,9 @@ class Task(abc.ABC):
     # True for tasks whose `apps predict` generates tokens (`generate`, through core.generate)
     # instead of decoding one forward pass.
     generates: ClassVar[bool] = False
+    # True for a task that predicts with a pretrained checkpoint as it is (`apps predict TASK
+    # --model NAME`, core/run.py `load_pretrained`): its `fit_featurizer([])` is the checkpoint's.
+    zero_shot: ClassVar[bool] = False
 
     def generate(
         self,

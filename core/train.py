@@ -29,8 +29,8 @@ from jax.sharding import Mesh
 from rich.console import Console
 
 from core import data as data_lib
+from core import lora, pretrained, sharding, transfer
 from core import metrics as metrics_lib
-from core import pretrained, sharding, transfer
 from core.checkpoint import Checkpoints
 from core.config import Config, TrainConfig
 from core.errors import UserError
@@ -64,13 +64,34 @@ def cast_for_compute(params: Any, dtype: str) -> Any:
 @dataclass
 class Steps:
     """The compiled programs of one run and its sharded initial state: {"params"} for eval and
-    predict, or {"params", "opt_state", "step"} with a `train_step` for training."""
+    predict, or {"params", "opt_state", "step"} with a `train_step` for training. `params` are
+    the trained parameters; with LoRA the checkpoint's own weights are `frozen` apart
+    (core/lora.py), which the steps read without being given them."""
 
     graphdef: Any
     state: State
     train_step: Callable[[State, dict], tuple[State, dict]] | None
     eval_step: Callable[[Any, dict], tuple[dict, dict]]
     mesh: Mesh
+    frozen: Any = None
+
+    def model(self, params: Any) -> nnx.Module:
+        """The model holding `params` (as the state and the checkpoints hold them) and the frozen part."""
+        return nnx.merge(self.graphdef, lora.join(params, self.frozen))
+
+
+class _Bound:
+    """A compiled step with the frozen parameters bound as its second argument: called (and
+    lowered, for inspection) as step(first, batch)."""
+
+    def __init__(self, jitted: Callable, frozen: Any):
+        self.jitted, self.frozen = jitted, frozen
+
+    def __call__(self, first, batch):
+        return self.jitted(first, self.frozen, batch)
+
+    def lower(self, first, batch):
+        return self.jitted.lower(first, self.frozen, batch)
 
 
 def make_steps(
@@ -85,13 +106,14 @@ def make_steps(
     train = config.train
     mesh = sharding.make_mesh(train.fsdp, devices)
     graphdef, params = nnx.split(model)
-    params = nnx.to_pure_dict(params)
+    params, frozen = lora.split(nnx.to_pure_dict(params), config.model, type(model).transferred)
+    frozen = sharding.place_params(mesh, frozen)
     forward = _forward(graphdef, train.compute_dtype)
-    eval_step = _eval_step(task, forward)
+    eval_step = _Bound(jax.jit(_eval_step(task, forward)), frozen)
 
     if not training:
         state = sharding.place_params(mesh, {"params": params})
-        return Steps(graphdef, state, None, jax.jit(eval_step), mesh)
+        return Steps(graphdef, state, None, eval_step, mesh, frozen)
 
     tx = optimizer(config.optim, total_steps)
     # Optimizer moments follow their parameter's placement: the rule depends on shape alone.
@@ -100,35 +122,30 @@ def make_steps(
     state_sharding = jax.tree.map(lambda x: x.sharding, state)
     train_step = _train_step(task, forward, tx, train)
     batch_sharding = sharding.batch_sharding(mesh)
-    return Steps(
-        graphdef=graphdef,
-        state=state,
-        train_step=jax.jit(
-            train_step,
-            in_shardings=(state_sharding, batch_sharding),
-            out_shardings=(state_sharding, sharding.replicated(mesh)),
-            donate_argnums=0,
-        ),
-        eval_step=jax.jit(eval_step),
-        mesh=mesh,
+    jitted = jax.jit(
+        train_step,
+        in_shardings=(state_sharding, jax.tree.map(lambda x: x.sharding, frozen), batch_sharding),
+        out_shardings=(state_sharding, sharding.replicated(mesh)),
+        donate_argnums=0,
     )
+    return Steps(graphdef, state, _Bound(jitted, frozen), eval_step, mesh, frozen)
 
 
 def _forward(graphdef: Any, compute_dtype: str) -> Callable:
-    """forward(params, batch, key) -> the model's outputs, computed in `compute_dtype`."""
+    """forward(params, frozen, batch, key) -> the model's outputs, computed in `compute_dtype`."""
 
-    def forward(params, batch, key):
-        model = nnx.merge(graphdef, cast_for_compute(params, compute_dtype))
+    def forward(params, frozen, batch, key):
+        model = nnx.merge(graphdef, cast_for_compute(lora.join(params, frozen), compute_dtype))
         return model(batch, dropout_key=key)
 
     return forward
 
 
 def _eval_step(task: Task, forward: Callable) -> Callable:
-    """eval_step(params, batch) -> (the streamed metrics and loss, the decoded predictions)."""
+    """eval_step(params, frozen, batch) -> (the streamed metrics and loss, the decoded predictions)."""
 
-    def eval_step(params, batch):
-        outputs = forward(params, batch, None)
+    def eval_step(params, frozen, batch):
+        outputs = forward(params, frozen, batch, None)
         streamed = dict(task.metrics(outputs, batch))
         streamed["loss"] = task.loss(outputs, batch)
         return streamed, task.decode(outputs, batch)
@@ -137,21 +154,18 @@ def _eval_step(task: Task, forward: Callable) -> Callable:
 
 
 def _gradients(task: Task, forward: Callable, grad_accum: int) -> Callable:
-    """gradients(params, batch, key) -> (the gradients of the loss sum, the sum, its weight),
-    summed over `grad_accum` microbatches of the batch."""
+    """gradients(params, frozen, batch, key) -> (the gradients of the loss sum with respect to
+    `params`, the sum, its weight), summed over `grad_accum` microbatches of the batch."""
 
-    def train_forward(params, batch, key):
-        return forward(params, task.augment_on_device(batch), key)
-
-    def loss_sum(params, batch, key):
-        return task.loss(train_forward(params, batch, key), batch)
+    def loss_sum(params, frozen, batch, key):
+        return task.loss(forward(params, frozen, task.augment_on_device(batch), key), batch)
 
     # loss_sum returns (sum, weight): the sum is differentiated, the weight rides along.
     grad_fn = jax.value_and_grad(loss_sum, has_aux=True)
 
-    def gradients(params, batch, key):
+    def gradients(params, frozen, batch, key):
         if grad_accum == 1:
-            (total, weight), grads = grad_fn(params, batch, key)
+            (total, weight), grads = grad_fn(params, frozen, batch, key)
             return grads, total, weight
         # Microbatch a takes rows a, a + A, a + 2A, ...: every device keeps its own rows.
         steps = grad_accum
@@ -159,7 +173,7 @@ def _gradients(task: Task, forward: Callable, grad_accum: int) -> Callable:
 
         def body(carry, inputs):
             index, microbatch = inputs
-            (total, weight), grads = grad_fn(params, microbatch, jax.random.fold_in(key, index))
+            (total, weight), grads = grad_fn(params, frozen, microbatch, jax.random.fold_in(key, index))
             return jax.tree.map(jnp.add, carry, (grads, total, weight)), None
 
         zeros = (jax.tree.map(jnp.zeros_like, params), jnp.zeros(()), jnp.zeros(()))
@@ -169,13 +183,13 @@ def _gradients(task: Task, forward: Callable, grad_accum: int) -> Callable:
 
 
 def _train_step(task: Task, forward: Callable, tx: optax.GradientTransformation, train: TrainConfig) -> Callable:
-    """train_step(state, batch) -> (the state after one optimizer update, {"loss", "grad_norm"})."""
+    """train_step(state, frozen, batch) -> (the state after one optimizer update, {"loss", "grad_norm"})."""
     gradients = _gradients(task, forward, train.grad_accum)
     base_key = jax.random.key(train.seed)
 
-    def train_step(state, batch):
+    def train_step(state, frozen, batch):
         params = state["params"]
-        grads, total, weight = gradients(params, batch, jax.random.fold_in(base_key, state["step"]))
+        grads, total, weight = gradients(params, frozen, batch, jax.random.fold_in(base_key, state["step"]))
         # Sums over the global batch divided by its true weight: exact under any sharding.
         weight = jnp.maximum(weight, 1e-9)
         grads = jax.tree.map(lambda g: g / weight, grads)

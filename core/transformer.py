@@ -104,17 +104,38 @@ matmul.defvjp(_matmul_forward, _matmul_backward)
 
 
 class Dense(nnx.Module):
-    """A linear layer whose backward pass is `matmul`'s; bias-free unless `bias` (BERT has them)."""
+    """A linear layer whose backward pass is `matmul`'s; bias-free unless `bias` (BERT has them).
 
-    def __init__(self, inputs: int, outputs: int, *, bias: bool = False, rngs: nnx.Rngs):
+    With `lora_rank` r > 0 it adds a LoRA update (Hu et al., 2021): y = W x + B (A x) * alpha / r,
+    A [inputs, r] random and B [r, outputs] zero, so that training starts from W's outputs
+    exactly (core/lora.py trains A and B alone, and folds them into W for export)."""
+
+    def __init__(
+        self, inputs: int, outputs: int, *, bias: bool = False, lora_rank: int = 0, lora_alpha: float = 16.0, rngs
+    ):
         self.kernel = nnx.Param(nnx.initializers.lecun_normal()(rngs.params(), (inputs, outputs)))
         self.bias = nnx.Param(jnp.zeros((outputs,))) if bias else None
+        if lora_rank:
+            self.lora_a = nnx.Param(nnx.initializers.he_uniform()(rngs.params(), (inputs, lora_rank)))
+            self.lora_b = nnx.Param(jnp.zeros((lora_rank, outputs)))
+            self.lora_scale = lora_alpha / lora_rank
+        else:
+            self.lora_a = self.lora_b = None
 
     def __call__(self, x: jax.Array) -> jax.Array:
         y = matmul(x, self.kernel[...].astype(x.dtype))
+        if self.lora_a is not None:
+            y = y + (x @ self.lora_a[...].astype(x.dtype)) @ (self.lora_b[...] * self.lora_scale).astype(x.dtype)
         if self.bias is not None:
             y = y + self.bias[...].astype(x.dtype).reshape((1,) * (y.ndim - 1) + (-1,))
         return y
+
+
+def adapters(config: ModelConfig, name: str) -> dict:
+    """The LoRA arguments of the linear layer `name` (one of config.LORA_TARGETS)."""
+    if config.lora_rank and name in config.lora_targets:
+        return {"lora_rank": config.lora_rank, "lora_alpha": config.lora_alpha}
+    return {}
 
 
 class Attention(nnx.Module):
@@ -123,8 +144,8 @@ class Attention(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.config = config
         width = (config.num_heads + 2 * config.key_value_heads) * config.head_dim
-        self.qkv = Dense(config.d_model, width, bias=config.bias, rngs=rngs)
-        self.out = Dense(config.d_model, config.d_model, bias=config.bias, rngs=rngs)
+        self.qkv = Dense(config.d_model, width, bias=config.bias, **adapters(config, "qkv"), rngs=rngs)
+        self.out = Dense(config.d_model, config.d_model, bias=config.bias, **adapters(config, "out"), rngs=rngs)
 
     def __call__(
         self, x: jax.Array, mask: jax.Array, positions: jax.Array, cache: KeyValues | None, prefill: bool
@@ -197,8 +218,8 @@ class MLP(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.kind = config.mlp
         width = 2 * config.mlp_dim if self.kind == "swiglu" else config.mlp_dim
-        self.up = Dense(config.d_model, width, bias=config.bias, rngs=rngs)
-        self.down = Dense(config.mlp_dim, config.d_model, bias=config.bias, rngs=rngs)
+        self.up = Dense(config.d_model, width, bias=config.bias, **adapters(config, "up"), rngs=rngs)
+        self.down = Dense(config.mlp_dim, config.d_model, bias=config.bias, **adapters(config, "down"), rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         h = self.up(x)

@@ -108,3 +108,36 @@ def test_smollm2_reads_hamlet_at_its_known_bits_per_character(smollm2):
     scored = len(text) - len(tokenizer.decode(ids[:1]))  # the first piece is given, not predicted
     bits = float(nll(model, tokens)) / math.log(2) / scored
     assert 1.4 < bits < 1.56, bits
+
+
+REFERENCE = "tests/fixtures/smollm2_reference.npz"  # how it was made: tests/fixtures/decoder_reference.md
+
+
+@needs_smollm2
+def test_logits_match_hugging_face_on_the_same_file(smollm2):
+    """Every position's logits (on 297 vocabulary columns), their log-sum-exp and argmax, and 16
+    greedy tokens, against transformers reading the same GGUF in float32."""
+    from core import generate
+
+    _, model, _ = smollm2
+    reference = np.load(REFERENCE)
+    tokenizer = PretrainedTokenizer.from_checkpoint(NAME)
+    columns = reference["columns"]
+    for i in range(3):
+        ids = reference[f"ids_{i}"]
+        assert tokenizer.pieces([str(reference[f"prompt_{i}"])])[0] == ids.tolist()
+        logits = np.asarray(model({"inputs": jnp.asarray(ids[None]), "mask": jnp.ones((1, len(ids)), bool)}).logits())[0]
+        np.testing.assert_allclose(logits[:, columns], reference[f"logits_{i}"], atol=2e-3, rtol=1e-3)
+        np.testing.assert_allclose(jax.nn.logsumexp(logits, -1), reference[f"logsumexp_{i}"], atol=2e-3)
+        np.testing.assert_array_equal(logits.argmax(-1), reference[f"argmax_{i}"])
+        greedy = generate.generate(model, [ids], max_new_tokens=16)
+        np.testing.assert_array_equal(greedy.tokens[0], reference[f"greedy_{i}"])
+
+
+@needs_smollm2
+def test_the_tokenizer_gives_the_references_ids_on_a_mixed_sample():
+    reference = np.load(REFERENCE)
+    tokenizer = PretrainedTokenizer.from_checkpoint(NAME)
+    text = str(reference["mixed_text"])  # digits, code, accents, emoji, Chinese, chat markers
+    assert tokenizer.pieces([text])[0] == reference["mixed_ids"].tolist()
+    assert tokenizer.tokenizer.decode(reference["mixed_ids"].tolist(), skip_special_tokens=False) == text

@@ -15,14 +15,18 @@ import tokenizers
 
 from core import pretrained
 from core.errors import UserError
+from tasks.common import chat
 
 PAD, UNK, BOS, EOS = 0, 1, 2, 3
 
 
 class Tokenizer:
-    """Text <-> ids with fixed special ids: pad 0, unk 1, bos 2, eos 3."""
+    """Text <-> ids with fixed special ids: pad 0, unk 1, bos 2, eos 3. A text begins with BOS
+    (`start_id`) and a generation ends at EOS (`stop_ids`)."""
 
     FILE = "tokenizer.model"
+    pad_id, bos_id, eos_id, start_id, stop_ids = PAD, BOS, EOS, BOS, (EOS,)
+    chat_template = None
 
     def __init__(self, model_proto: bytes):
         self.model_proto = model_proto
@@ -90,21 +94,28 @@ class Tokenizer:
             ids[row, : len(pieces)] = pieces
         return ids, ids != PAD
 
+    def pieces(self, texts: Sequence[str]) -> list[list[int]]:
+        """Each text's pieces, whole, without BOS or EOS."""
+        return self.processor.encode(list(texts))
+
     def decode(self, ids: Sequence[int]) -> str:
         return self.processor.decode([int(i) for i in ids if i > EOS])
 
 
 class PretrainedTokenizer:
     """A pretrained checkpoint's tokenizer, read from its tokenizer.json with the `tokenizers`
-    package: WordPiece for BERT, byte-level BPE for RoBERTa, each with the special tokens its
-    post-processor adds ([CLS] text [SEP] for BERT, <s> text </s> for RoBERTa), as the checkpoint
-    was trained. `vocab_size` is the rows of the checkpoint's embedding table, which must equal
-    the tokenizer's size: a tokenizer of another model would feed the table the wrong rows."""
+    package: WordPiece for BERT, byte-level BPE for RoBERTa and SmolLM2, each with the special
+    tokens its post-processor adds ([CLS] text [SEP] for BERT, <s> text </s> for RoBERTa), as the
+    checkpoint was trained; and its `config` (`core.pretrained.Family.tokenizer_config`: the
+    special tokens, whether a text begins with BOS, the chat template, what ends a generation).
+    `vocab_size` is the rows of the checkpoint's embedding table, which must equal the
+    tokenizer's size: a tokenizer of another model would feed the table the wrong rows."""
 
     FILE = "tokenizer.json"
     SIZE_FILE = "pretrained_vocab.json"
+    CONFIG_FILE = "tokenizer_config.json"
 
-    def __init__(self, text: str, vocab_size: int, where: str):
+    def __init__(self, text: str, vocab_size: int, where: str, config: dict | None = None):
         try:
             self.tokenizer = tokenizers.Tokenizer.from_str(text)
         except Exception as error:  # tokenizers reports every malformed file as a plain Exception
@@ -115,30 +126,51 @@ class PretrainedTokenizer:
                 f"{where} has {size} tokens but the checkpoint's embedding table has {vocab_size} rows "
                 "(vocab_size in its config.json): the tokenizer belongs to another model."
             )
+        self.text, self.vocab_size, self.config, self.where = text, vocab_size, dict(config or {}), where
         padding = self.tokenizer.padding
-        self.pad_id = padding["pad_id"] if padding else self._first_id("[PAD]", "<pad>")
+        self.pad_id = (
+            padding["pad_id"] if padding else self._first_id(self.config.get("pad_token"), "[PAD]", "<pad>") or 0
+        )
+        self.bos_id = self._first_id(self.config.get("bos_token"))
+        self.eos_id = self._first_id(self.config.get("eos_token"))
+        self.add_bos = bool(self.config.get("add_bos_token", False)) and self.bos_id is not None
+        self.chat_template: str | None = self.config.get("chat_template")
+        self.stop_ids = tuple(
+            dict.fromkeys([*self.config.get("stop_ids", []), *[self.eos_id] * (self.eos_id is not None)])
+        )
         # Padding and truncation are this class's, per call; the file's own settings would fight them.
         self.tokenizer.no_padding()
-        self.text, self.vocab_size = text, vocab_size
 
-    def _first_id(self, *tokens: str) -> int:
-        ids = [self.tokenizer.token_to_id(token) for token in tokens]
-        return next((i for i in ids if i is not None), 0)
+    def _first_id(self, *tokens: str | None) -> int | None:
+        ids = [self.tokenizer.token_to_id(token) for token in tokens if token]
+        return next((i for i in ids if i is not None), None)
 
     @classmethod
     def from_checkpoint(cls, name_or_path: str) -> PretrainedTokenizer:
-        """The tokenizer of the checkpoint folder (or shipped name) `name_or_path`."""
-        text, vocab_size = pretrained.tokenizer_json(name_or_path)
-        return cls(text, vocab_size, name_or_path)
+        """The tokenizer of the checkpoint (a folder, a file or a shipped name) `name_or_path`."""
+        text, config, vocab_size = pretrained.tokenizer_files(name_or_path)
+        return cls(text, vocab_size, name_or_path, config)
 
     @classmethod
     def load(cls, directory: Path) -> PretrainedTokenizer:
         size = json.loads((directory / cls.SIZE_FILE).read_text())["vocab_size"]
-        return cls((directory / cls.FILE).read_text(), size, str(directory / cls.FILE))
+        config_path = directory / cls.CONFIG_FILE
+        config = json.loads(config_path.read_text()) if config_path.exists() else {}
+        return cls((directory / cls.FILE).read_text(), size, str(directory / cls.FILE), config)
 
     def save(self, directory: Path) -> None:
         (directory / self.FILE).write_text(self.text)
         (directory / self.SIZE_FILE).write_text(json.dumps({"vocab_size": self.vocab_size}))
+        (directory / self.CONFIG_FILE).write_text(json.dumps(self.config))
+
+    @property
+    def start_id(self) -> int:
+        """The id a text begins with: BOS for a tokenizer that adds one, else EOS, the separator
+        between the documents it was trained on (as GPT-2's <|endoftext|>)."""
+        start = self.bos_id if self.add_bos else self.eos_id
+        if start is None:
+            raise UserError(f"{self.where} names no BOS or EOS token (a checkpoint's tokenizer_config.json does).")
+        return start
 
     def encode(self, texts: Sequence[str], max_len: int) -> tuple[np.ndarray, np.ndarray]:
         """ids [N, max_len] (special tokens included, truncated to keep them, padded with the pad
@@ -151,8 +183,20 @@ class PretrainedTokenizer:
             mask[row, : len(encoding.ids)] = True
         return ids, mask
 
+    def pieces(self, texts: Sequence[str]) -> list[list[int]]:
+        """Each text's ids, whole, without special tokens added (those written in it, as chat
+        markers, are read as theirs)."""
+        self.tokenizer.no_truncation()
+        return [encoding.ids for encoding in self.tokenizer.encode_batch(list(texts), add_special_tokens=False)]
+
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def chat_ids(self, messages: Sequence[chat.Message]) -> list[int]:
+        """A conversation rendered with the checkpoint's chat template, up to where the
+        assistant's answer begins, as ids (the template writes BOS itself where it wants one)."""
+        special = {key: self.config[key] for key in ("bos_token", "eos_token", "pad_token") if key in self.config}
+        return self.pieces([chat.render(self.chat_template, messages, special, self.where)])[0]
 
 
 def load_tokenizer(directory: Path) -> Tokenizer | PretrainedTokenizer:

@@ -28,14 +28,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from core import losses, penalties
+from core import losses, penalties, pretrained
 from core import metrics as metric_lib
-from core.config import Config, DataConfig, OptimConfig, TrainConfig, modern_blocks, tiny_preset
+from core.config import Config, DataConfig, OptimConfig, TrainConfig, modern_blocks, require, tiny_preset
 from core.errors import UserError
 from core.heads import Projection, TiedOutput, TokenEmbedder
 from core.run import Predictor
 from core.task import PredictOption, Task, final, scored_positions
-from tasks.common.tokenizer import BOS, EOS, PAD, Tokenizer
+from tasks.common import chat
+from tasks.common.tokenizer import PretrainedTokenizer, Tokenizer, load_tokenizer
 from tasks.nlp import corpus
 from tasks.nlp.ngram import KneserNey, Unigram, bits_per_character
 
@@ -47,6 +48,14 @@ class LMData(DataConfig):
     vocab_size: int = 4000
     text_column: str = "text"
     ngram_order: int = 5
+    # The valid split keeps each document's first `valid_chars` characters (None: all): a
+    # pretrained decoder reads about 250 tokens a second here, and validation during training
+    # need not read the whole 445,000 characters each time. The test split is always whole.
+    valid_chars: int | None = None
+
+    def __post_init__(self):
+        if self.valid_chars is not None:
+            require(self.valid_chars > 0, "data.valid_chars", self.valid_chars, "must be positive (None: all)")
 
 
 def tiny() -> Config:
@@ -70,18 +79,47 @@ def base() -> Config:
     )
 
 
+def smollm2() -> Config:
+    """SmolLM2-135M-Instruct fine-tuned on the corpus, every weight (`model.lora_rank` for adapters)."""
+    return Config(
+        task="lm",
+        preset="smollm2",
+        # Rows of 512 tokens (about 1,700 characters of verse): the context the model reads with.
+        model=pretrained.architecture("smollm2-135m-instruct", max_len=512, dropout=0.0),
+        optim=OptimConfig(learning_rate=1e-4, warmup_steps=10, end_lr_ratio=0.1, weight_decay=0.0, b2=0.95),
+        # About 125 training tokens a second here: 90 steps of 4 rows (184,000 tokens, an eighth
+        # of the training works) and two validations keep the command within 30 minutes.
+        train=TrainConfig(batch_size=4, eval_batch_size=8, steps=90, eval_every=45, checkpoint_every=45, log_every=5),
+        data=LMData(valid_chars=20_000),
+    )
+
+
 @dataclass
 class LMFeaturizer:
-    """The tokenizer and the row length: documents -> packed rows of next-piece predictions."""
+    """The tokenizer (trained here, or a pretrained checkpoint's) and the row length: documents
+    -> packed rows of next-piece predictions."""
 
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | PretrainedTokenizer
     max_len: int
 
     def save(self, directory: Path) -> None:
         self.tokenizer.save(directory)
 
     def pieces(self, examples: Sequence[dict]) -> list[list[int]]:
-        return self.tokenizer.processor.encode([e["text"] for e in examples])
+        return self.tokenizer.pieces([e["text"] for e in examples])
+
+    def prompt(self, example: dict, system: str = "") -> list[int]:
+        """The ids that a generation continues: a conversation (`messages`) rendered with the
+        checkpoint's chat template, with `system` as its system message if given; or a text
+        after the start id, as documents begin in training."""
+        if "messages" in example:
+            if self.tokenizer.chat_template is None:
+                raise UserError(
+                    "--chat needs a checkpoint with a chat template (apps predict lm --model smollm2-135m-instruct "
+                    "--chat ...); this model's tokenizer has none."
+                )
+            return self.tokenizer.chat_ids(chat.with_system(example["messages"], system))
+        return [self.tokenizer.start_id, *self.tokenizer.pieces([example["text"]])[0]]
 
     def continuation(self, prompt: Sequence[int], new: Sequence[int]) -> str:
         """The text that `new` pieces add after `prompt`: decoded together, since a piece's
@@ -89,19 +127,26 @@ class LMFeaturizer:
         return self.tokenizer.decode([*prompt, *new])[len(self.tokenizer.decode(prompt)) :]
 
     def __call__(self, examples: Sequence[dict]) -> dict[str, np.ndarray]:
-        stream = np.concatenate([np.asarray([BOS, *ids, EOS], np.int32) for ids in self.pieces(examples)])
+        start, end = self.tokenizer.start_id, self.tokenizer.eos_id
+        # Documents as [start] pieces [end]; for a tokenizer that adds no BOS (start is EOS) one
+        # EOS separates two documents, as in GPT-2's training: [EOS] doc [EOS] doc [EOS].
+        prefix = [start] if start != end else []
+        documents = [np.asarray([*prefix, *ids, end], np.int32) for ids in self.pieces(examples)]
+        stream = np.concatenate([np.asarray([] if prefix else [end], np.int32), *documents])
+        # The starts are given, never predicted: each document's BOS, or the leading EOS.
+        given = np.zeros(len(stream), bool)
+        given[np.cumsum([0, *map(len, documents[:-1])]) if prefix else 0] = True
         length = self.max_len
         rows = max(1, -(-(len(stream) - 1) // length))
-        padded = np.full(rows * length + 1, PAD, np.int32)
+        padded = np.full(rows * length + 1, self.tokenizer.pad_id, np.int32)
         padded[: len(stream)] = stream
-        inputs = padded[:-1].reshape(rows, length)
-        targets = padded[1:].reshape(rows, length)
+        predicted = np.zeros(rows * length + 1, bool)
+        predicted[: len(stream)] = ~given
         return {
-            "inputs": inputs,
+            "inputs": padded[:-1].reshape(rows, length),
             "mask": np.arange(rows * length).reshape(rows, length) < len(stream) - 1,
-            "targets": targets,
-            # The BOS that follows an EOS is given, never predicted; padding predicts nothing.
-            "target_mask": (targets != PAD) & (targets != BOS),
+            "targets": padded[1:].reshape(rows, length),
+            "target_mask": predicted[1:].reshape(rows, length),
             "weights": np.ones(rows, np.float32),
         }
 
@@ -122,6 +167,7 @@ class LMTask(Task):
     best_metric: ClassVar[str] = "bits_per_character"
     lower_is_better: ClassVar[bool] = True
     generates: ClassVar[bool] = True
+    zero_shot: ClassVar[bool] = True
     predict_options: ClassVar[tuple[PredictOption, ...]] = (
         PredictOption("max_new_tokens", int, 100, "pieces to generate at most (fewer if EOS comes)"),
         PredictOption("temperature", float, 0.8, "softmax temperature; 0 is greedy"),
@@ -131,8 +177,16 @@ class LMTask(Task):
         PredictOption("length_penalty", float, 0.6, "beam search: GNMT length penalty exponent"),
         *penalties.options(),
         PredictOption("seed", int, 0, "random seed of the sampling"),
+        PredictOption(
+            "chat",
+            bool,
+            False,
+            "a chat model's answer: each prompt is a user message (or a line of JSON, a whole conversation: "
+            '[{"role": "user", "content": "..."}, ...]) wrapped in the chat template',
+        ),
+        PredictOption("system", str, "", "with --chat: the system message (else the template's own, if any)"),
     )
-    presets: ClassVar[dict] = {"tiny": tiny, "base": base}
+    presets: ClassVar[dict] = {"tiny": tiny, "base": base, "smollm2": smollm2}
     default_preset: ClassVar[str] = "base"
     data_type: ClassVar[type] = LMData
 
@@ -145,6 +199,8 @@ class LMTask(Task):
 
     def examples(self, split: str) -> list[dict]:
         texts = corpus.documents(split, self.data, self.config.data.text_column)
+        if split == "valid" and self.config.data.valid_chars is not None:
+            texts = [text[: self.config.data.valid_chars] for text in texts]
         return [{"text": text} for text in texts if text.strip()]
 
     def protocol(self) -> dict[str, str]:
@@ -162,11 +218,16 @@ class LMTask(Task):
         }
 
     def fit_featurizer(self, train: Sequence[dict]) -> LMFeaturizer:
+        """A pretrained checkpoint's own tokenizer, or a BPE model trained on `train`."""
+        if self.config.model.pretrained is not None:
+            return LMFeaturizer(
+                PretrainedTokenizer.from_checkpoint(self.config.model.pretrained), self.config.model.max_len
+            )
         tokenizer = Tokenizer.train((e["text"] for e in train), self.config.data.vocab_size, "bpe", lossless=True)
         return LMFeaturizer(tokenizer, self.config.model.max_len)
 
     def load_featurizer(self, directory: Path) -> LMFeaturizer:
-        return LMFeaturizer(Tokenizer.load(directory), self.config.model.max_len)
+        return LMFeaturizer(load_tokenizer(directory), self.config.model.max_len)
 
     def embedder(self, featurizer: LMFeaturizer, rngs: nnx.Rngs) -> nnx.Module:
         return TokenEmbedder(featurizer.tokenizer.vocab_size, self.config.model.d_model, rngs=rngs)
@@ -197,12 +258,15 @@ class LMTask(Task):
         return _scores(float(predictions["nll"].sum()), int(predictions["predictions"].sum()), characters(examples))
 
     def baselines(self, train: Sequence[dict], test: Sequence[dict], featurizer: LMFeaturizer):
-        vocab_size = featurizer.tokenizer.vocab_size
+        tokenizer = featurizer.tokenizer
         train_ids, test_ids = featurizer.pieces(train), featurizer.pieces(test)
         models = {
-            "unigram": Unigram(vocab_size, eos=EOS),
+            "unigram": Unigram(tokenizer.vocab_size, eos=tokenizer.eos_id),
             f"kneser_ney_{self.config.data.ngram_order}gram": KneserNey(
-                vocab_size, bos=BOS, order=self.config.data.ngram_order, eos=EOS
+                tokenizer.vocab_size,
+                bos=_context_start(tokenizer),
+                order=self.config.data.ngram_order,
+                eos=tokenizer.eos_id,
             ),
         }
         results = {}
@@ -212,17 +276,29 @@ class LMTask(Task):
         return results
 
     def generate(self, model, featurizer: LMFeaturizer, examples, options: dict, on_text=None) -> dict:
-        """Continues each prompt ([BOS] + its pieces) until EOS or --max-new-tokens pieces."""
+        """Continues each prompt (`LMFeaturizer.prompt`) until a stop token (EOS, a chat model's
+        end of turn) or --max-new-tokens pieces."""
         from core import generate as generation
 
         if options["beams"] < 1:
             raise UserError(f"--beams {options['beams']}: must be at least 1 (1 samples, more search).")
-        prompts = [[BOS, *ids] for ids in featurizer.pieces(examples)]
+        if options["system"] and not options["chat"]:
+            raise UserError("--system is the system message of a chat: give --chat too.")
+        prompts = [featurizer.prompt(example, options["system"]) for example in examples]
+        context = self.config.model.max_len
+        for index, prompt in enumerate(prompts):
+            if len(prompt) >= context:
+                raise UserError(
+                    f"Prompt {index + 1} is {len(prompt)} tokens long; the model reads {context} at most "
+                    f"(model.max_len), prompt and new tokens together: shorten it."
+                )
+        stops = featurizer.tokenizer.stop_ids
         settings = {
             "max_new_tokens": options["max_new_tokens"],
-            "stop_tokens": (EOS,),
+            "stop_tokens": stops,
             **penalties.from_options(options),
         }
+        stream = None if on_text is None else _Stream(featurizer, prompts[0], on_text, stops)
         if options["beams"] > 1:
             beams = generation.generate_beams(
                 model, prompts, beam_size=options["beams"], length_penalty=options["length_penalty"], **settings
@@ -236,39 +312,62 @@ class LMTask(Task):
                 top_k=None if options["top_k"] == 0 else options["top_k"],
                 top_p=None if options["top_p"] == 1 else options["top_p"],
                 seed=options["seed"],
-                on_tokens=None if on_text is None else _Stream(featurizer, prompts[0], on_text),
+                on_tokens=stream,
                 **settings,
             )
             tokens, lengths = result.tokens, result.lengths
-        new = [row[:length][row[:length] != EOS] for row, length in zip(tokens, lengths)]
-        return {"text": [featurizer.continuation(prompt, ids) for prompt, ids in zip(prompts, new)]}
+        new = [row[:length][~np.isin(row[:length], stops)] for row, length in zip(tokens, lengths)]
+        texts = [featurizer.continuation(prompt, ids) for prompt, ids in zip(prompts, new)]
+        if stream is not None:
+            stream.finish(texts[0])
+        return {"text": texts}
 
     def parse_inputs(self, lines: Sequence[str], options: dict) -> list[dict]:
-        prompts = [line for line in lines if line.strip()]
+        """Prompts, one per line; with --chat each is a user message, or a conversation where the
+        line is JSON."""
+        prompts = [(number, line) for number, line in enumerate(lines, 1) if line.strip()]
         if not prompts:
             raise UserError("apps predict lm needs at least one non-empty prompt (as arguments or on stdin).")
-        return [{"text": prompt} for prompt in prompts]
+        if not options.get("chat"):
+            return [{"text": line} for _, line in prompts]
+        examples = []
+        for number, line in prompts:
+            messages = chat.parse_line(line, f"input {number}") or [{"role": "user", "content": line}]
+            examples.append({"text": messages[-1]["content"], "messages": messages})
+        return examples
 
     def render(self, predictions, examples, featurizer: LMFeaturizer) -> list[dict[str, str]]:
         return [{"prompt": e["text"], "continuation": text} for e, text in zip(examples, predictions["text"])]
 
 
 class LanguageModel(Predictor):
-    """A trained lm workdir loaded once, for Python prototypes:
+    """A trained lm workdir, or a pretrained decoder by name, loaded once, for Python prototypes:
 
     from tasks.nlp.lm import LanguageModel
+    LanguageModel(model="smollm2-135m-instruct").generate(["Write a haiku about rain"], chat=True)
     model = LanguageModel("runs/lm")
     model.generate(["To be, or not"], max_new_tokens=40, temperature=0.8, top_p=0.95)  # [continuation]
     """
 
-    def __init__(self, workdir: str | Path):
-        super().__init__(LMTask, workdir)
+    def __init__(self, workdir: str | Path | None = None, *, model: str | None = None):
+        super().__init__(LMTask, workdir, model=model)
 
-    def generate(self, prompts: Sequence[str], **options) -> list[str]:
-        """The continuation of each prompt; `options` are `apps predict lm`'s, by name
-        (max_new_tokens, temperature, top_k, top_p, beams, length_penalty, no_repeat_ngram,
-        word_reward, seed)."""
-        return self.outputs(prompts, **options)[1]["text"]
+    def generate(self, prompts: Sequence[str], on_text=None, **options) -> list[str]:
+        """The continuation of each prompt (with `chat`, the answer to each user message or JSON
+        conversation); `on_text` receives the first one's text as it is generated; `options` are
+        `apps predict lm`'s, by name (max_new_tokens, temperature, top_k, top_p, beams,
+        length_penalty, no_repeat_ngram, word_reward, seed, chat, system)."""
+        return self.outputs(prompts, on_text, **options)[1]["text"]
+
+
+def _context_start(tokenizer: Tokenizer | PretrainedTokenizer) -> int:
+    """The id that pads an n-gram's context before a document: the text's start, or where that
+    is EOS itself (a tokenizer without BOS), the BOS id, which plain text never holds."""
+    if tokenizer.start_id != tokenizer.eos_id:
+        return tokenizer.start_id
+    if tokenizer.bos_id is None or tokenizer.bos_id == tokenizer.eos_id:
+        raise UserError("The n-gram baselines need a BOS id apart from EOS, and this tokenizer has none.")
+    return tokenizer.bos_id
 
 
 def _scores(nll: float, predictions: int, chars: int) -> dict[str, float]:
@@ -280,11 +379,12 @@ def _scores(nll: float, predictions: int, chars: int) -> dict[str, float]:
 class _Stream:
     """Turns the first row's new tokens, as the decode loop produces them, into new text."""
 
-    def __init__(self, featurizer: LMFeaturizer, prompt: Sequence[int], on_text):
-        self.featurizer, self.prompt, self.on_text, self.ids, self.text = featurizer, prompt, on_text, [], ""
+    def __init__(self, featurizer: LMFeaturizer, prompt: Sequence[int], on_text, stops: Sequence[int]):
+        self.featurizer, self.prompt, self.on_text, self.stops = featurizer, prompt, on_text, set(stops)
+        self.ids, self.text = [], ""
 
     def __call__(self, tokens: np.ndarray, active: np.ndarray) -> None:
-        if not active[0] or int(tokens[0]) == EOS:
+        if not active[0] or int(tokens[0]) in self.stops:
             return
         self.ids.append(int(tokens[0]))
         text = self.featurizer.continuation(self.prompt, self.ids)
@@ -292,3 +392,9 @@ class _Stream:
         if not text.endswith("\ufffd"):
             self.on_text(text[len(self.text) :])
             self.text = text
+
+    def finish(self, text: str) -> None:
+        """Sends what the stream held back (bytes that never completed a character; all of a
+        beam search's text, which streams nothing), so that the streamed text is the answer."""
+        if text.startswith(self.text) and len(text) > len(self.text):
+            self.on_text(text[len(self.text) :])

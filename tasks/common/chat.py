@@ -1,0 +1,83 @@
+"""Chat conversations: messages read from JSON and rendered with a checkpoint's chat template.
+
+A conversation is a list of messages {"role": "system" | "user" | "assistant", "content": text}.
+The template (a jinja2 text in the checkpoint's metadata) is rendered as Hugging Face's
+`apply_chat_template` does: a sandboxed environment that trims blocks, with `raise_exception` and
+a `tojson` filter, given the messages, `add_generation_prompt` and the special tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Sequence
+
+from core.errors import UserError
+
+ROLES = ("system", "user", "assistant")
+Message = dict[str, str]
+
+
+def read_messages(value, where: str) -> list[Message]:
+    """A conversation from parsed JSON: a list of messages, or {"messages": [...]}; every
+    problem named with `where` (a file and line, or "the request")."""
+    if isinstance(value, dict) and "messages" in value:
+        value = value["messages"]
+    if not isinstance(value, list) or not value:
+        raise UserError(f'{where}: a conversation is a non-empty list of messages, {{"role": ..., "content": ...}}.')
+    messages = []
+    for i, message in enumerate(value):
+        if not isinstance(message, dict) or set(message) - {"role", "content"} or "role" not in message:
+            raise UserError(f"{where}: message {i} is not an object with a role and a content: {message!r:.80}.")
+        role, content = message["role"], message.get("content")
+        if role not in ROLES:
+            raise UserError(f"{where}: message {i} has role {role!r}; roles are {', '.join(ROLES)}.")
+        if not isinstance(content, str):
+            raise UserError(f"{where}: message {i} ({role}) needs a text content, not {content!r:.40}.")
+        messages.append({"role": role, "content": content})
+    return messages
+
+
+def parse_line(line: str, where: str) -> list[Message] | None:
+    """The conversation a JSON line holds, or None for a line of plain text (a user's prompt)."""
+    text = line.strip()
+    if not text.startswith(("[", "{")):
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise UserError(f"{where}: not valid JSON ({error.msg} at column {error.colno}).") from None
+    return read_messages(value, where)
+
+
+def with_system(messages: Sequence[Message], system: str) -> list[Message]:
+    """The conversation with `system` as its system message (replacing one it has), if given."""
+    if not system:
+        return list(messages)
+    return [{"role": "system", "content": system}, *(m for m in messages if m["role"] != "system")]
+
+
+@functools.cache
+def _compiled(template: str):
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise UserError(f"The chat template refuses the conversation: {message}")
+
+    environment = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    environment.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
+    environment.globals["raise_exception"] = raise_exception
+    try:
+        return environment.from_string(template)
+    except jinja2.TemplateError as error:
+        raise UserError(f"The checkpoint's chat template does not parse: {error}") from None
+
+
+def render(template: str | None, messages: Sequence[Message], special: dict[str, str], where: str) -> str:
+    """The conversation as the model reads it, ending where the assistant's answer begins."""
+    if not template:
+        raise UserError(f"{where} has no chat template: use plain prompts (without --chat).")
+    return _compiled(template).render(messages=list(messages), add_generation_prompt=True, **special)

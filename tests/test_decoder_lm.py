@@ -1,0 +1,161 @@
+"""The lm task on a pretrained decoder, through a tiny Llama GGUF written here (tests/tiny_gguf.py):
+the checkpoint's tokenizer and special tokens, chat prompts, zero-shot prediction with --model,
+and LoRA (only the adapters train and are saved; merged, they give the adapted outputs)."""
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import apps, plain
+from flax.traverse_util import flatten_dict
+from tiny_gguf import CHATML, write_tiny_gguf
+
+from core import generate, lora, pretrained, run
+from core.errors import UserError
+from tasks.common import chat
+from tasks.common.tokenizer import PretrainedTokenizer
+from tasks.nlp.lm import LanguageModel, LMFeaturizer, LMTask
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny):
+    return PretrainedTokenizer.from_checkpoint(str(tiny))
+
+
+def test_the_special_tokens_and_template_come_from_the_metadata(tokenizer):
+    assert (tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id, tokenizer.add_bos) == (1, 2, 2, False)
+    assert tokenizer.start_id == 2  # no BOS added: documents are separated by EOS, as GPT-2's
+    assert tokenizer.stop_ids == (2,) and tokenizer.chat_template == CHATML
+
+
+def test_the_chat_template_renders_as_hugging_face_does(tokenizer):
+    ids = tokenizer.chat_ids([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    text = tokenizer.tokenizer.decode(ids, skip_special_tokens=False)
+    assert text == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    assert ids.count(1) == 3 and ids.count(2) == 2  # the markers are one control token each
+    with_system = chat.with_system([{"role": "system", "content": "old"}, {"role": "user", "content": "Hi"}], "new")
+    assert with_system == [{"role": "system", "content": "new"}, {"role": "user", "content": "Hi"}]
+
+
+def test_documents_without_bos_are_separated_by_one_eos(tokenizer):
+    featurizer = LMFeaturizer(tokenizer, max_len=4)
+    a, b = tokenizer.pieces(["ab", "c"])
+    assert (a, b) == ([67, 68], [69])  # byte symbols follow the three control tokens
+    batch = featurizer([{"text": "ab"}, {"text": "c"}])
+    # The stream [EOS] a b [EOS] c [EOS]: the leading EOS is given, everything after it predicted.
+    np.testing.assert_array_equal(batch["inputs"], [[2, 67, 68, 2], [69, 2, 2, 2]])
+    np.testing.assert_array_equal(batch["targets"], [[67, 68, 2, 69], [2, 2, 2, 2]])
+    np.testing.assert_array_equal(batch["target_mask"], [[1, 1, 1, 1], [1, 0, 0, 0]])
+    assert batch["target_mask"].sum() == len(a) + len(b) + 2  # every piece and each document's end
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ('[{"role": "user", "content": "hi"', "input 1: not valid JSON"),
+        ('[{"role": "robot", "content": "hi"}]', "message 0 has role 'robot'; roles are system, user, assistant"),
+        ('[{"role": "user"}]', "message 0 (user) needs a text content"),
+        ("[]", "a conversation is a non-empty list of messages"),
+        ('[{"role": "user", "content": "hi", "name": "x"}]', "message 0 is not an object with a role and a content"),
+    ],
+)
+def test_a_malformed_conversation_is_named(line, message):
+    with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        chat.parse_line(line, "input 1")
+
+
+def test_predict_with_a_checkpoint_chats_and_streams(tiny):
+    result = apps("predict", "lm", "--model", tiny, "--chat", "the", "--max-new-tokens", 6, "--temperature", 0)
+    assert result.exit_code == 0, result.output
+    model = LanguageModel(model=str(tiny))
+    answers = model.generate(
+        ["the", '[{"role": "user", "content": "the"}]'], chat=True, max_new_tokens=6, temperature=0
+    )
+    assert answers[0] == answers[1]  # a plain line is one user message
+    streamed = []
+    assert model.generate(["the"], streamed.append, chat=True, max_new_tokens=6, temperature=0) == [answers[0]]
+    assert "".join(streamed) == answers[0]
+    assert answers[0] in result.output
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--system", "Be brief.", "hi"], "--system is the system message of a chat: give --chat too."),
+        (["hi " * 200], "Prompt 1 is 601 tokens long; the model reads 128 at most"),
+        (["--chat", '[{"role": "user", "content": 3}]'], "input 1: message 0 (user) needs a text content"),
+    ],
+)
+def test_bad_generation_requests_exit_1(tiny, args, message):
+    result = apps("predict", "lm", "--model", tiny, "--max-new-tokens", 4, *args)
+    assert result.exit_code == 1 and message in plain(result.output), result.output
+
+
+def test_model_and_workdir_exclude_each_other(tiny, tmp_path):
+    result = apps("predict", "lm", "--model", tiny, "--workdir", tmp_path, "hi")
+    assert result.exit_code == 1 and "not both" in plain(result.output)
+    result = apps("predict", "sentiment", "--model", tiny, "hi")
+    assert result.exit_code == 1 and "predicts with a trained run (--workdir)" in plain(result.output)
+
+
+def test_cached_decoding_equals_the_full_forward_pass(tiny):
+    model = LanguageModel(model=str(tiny)).model
+    prompts = [[2, 67, 68, 69, 70], [2, 71]]
+    cached = generate.generate(model, prompts, max_new_tokens=12)
+    full = generate.generate(model, prompts, max_new_tokens=12, use_cache=False)
+    np.testing.assert_array_equal(cached.tokens, full.tokens)
+
+
+@pytest.fixture(scope="module")
+def lora_run(tiny, tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("lora")
+    data = workdir / "corpus.txt"
+    data.write_text("the theme of the thing is the thread.\n" * 200)
+    overrides = [f"model.pretrained={str(tiny)!r}", "model.lora_rank=2", "optim.learning_rate=0.05"]
+    run.train(LMTask, workdir=workdir, preset="tiny", overrides=overrides, data=str(data))
+    return workdir, data
+
+
+def test_lora_trains_and_saves_the_adapters_alone(tiny, lora_run):
+    workdir, _ = lora_run
+    loaded = run.load(LMTask, workdir)
+    saved = flatten_dict(loaded.params)
+    assert saved and all(path[-1] in ("lora_a", "lora_b") for path in saved)  # no head: the output is tied
+    assert len(saved) == 2 * 4 * 2  # two layers, four adapted matrices, A and B
+    assert all(float(jnp.abs(value).max()) > 0 for path, value in saved.items() if path[-1] == "lora_b")
+    # The checkpoint's weights are untouched: the frozen body is the file's.
+    model = loaded.steps.model(loaded.params)
+    reference = LanguageModel(model=str(tiny)).model
+    np.testing.assert_array_equal(
+        model.body.blocks[0].attention.qkv.kernel[...], reference.body.blocks[0].attention.qkv.kernel[...]
+    )
+    metrics = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    losses = [m["loss"] for m in metrics if "loss" in m]
+    assert losses[-1] < 0.8 * losses[0]
+
+
+def test_merged_adapters_give_the_adapted_outputs(lora_run):
+    workdir, _ = lora_run
+    loaded = run.load(LMTask, workdir)
+    model = loaded.steps.model(loaded.params)
+    batch = {"inputs": jnp.asarray([[2, 67, 68, 69, 70, 71]]), "mask": jnp.ones((1, 6), bool)}
+    adapted = model(batch).logits()
+    assert lora.merge(model) == 2 * 4
+    np.testing.assert_allclose(model(batch).logits(), adapted, atol=2e-5)
+    # Exported, the merged weights are the checkpoint's tensors, adapted.
+    name = loaded.task.config.model.pretrained
+    exported, original = pretrained.export(model, name), pretrained.export(LanguageModel(model=name).model, name)
+    assert set(exported) == set(original)
+    assert not np.allclose(exported["blk.0.attn_output.weight"], original["blk.0.attn_output.weight"])
+    np.testing.assert_array_equal(exported["output_norm.weight"], original["output_norm.weight"])
+
+
+def test_lora_needs_a_pretrained_body():
+    result = apps("train", "lm", "--preset", "tiny", "--set", "model.lora_rank=4")
+    assert result.exit_code == 1 and "model.lora_rank=4 adapts a pretrained body" in plain(result.output)
