@@ -18,6 +18,9 @@ keys; output [B, T, N, H]. The blockwise kernel stacks the G query heads of each
 rows of one [B, K, G * T, H] operand instead of repeating the keys G times; with G = 1 that is
 the plain multi-head program, unchanged. XLA's kernel groups the heads natively.
 
+A causal layer with a `window` W (sliding-window attention) lets query i see keys i - W + 1 .. i
+only; the blockwise kernel masks the rest, XLA's takes it as `local_window_size`.
+
 Cross-attention (`cross=True`) takes queries [B, T, N, H] from one sequence and keys and values
 [B, S, K, H] from another, the mask [B, S] covering the keys only.
 
@@ -38,12 +41,15 @@ MIN_BLOCK = 64
 MAX_BLOCKS = 4
 
 
-def attention(q, k, v, mask, *, causal: bool, implementation: str, cross: bool = False):
+def attention(q, k, v, mask, *, causal: bool, implementation: str, cross: bool = False, window: int | None = None):
     if implementation == "auto":
         implementation = "blockwise" if jax.default_backend() == "cpu" else "xla"
     if implementation == "blockwise":
-        return blockwise_attention(q, k, v, mask, causal)
-    return jax.nn.dot_product_attention(q, k, v, **library_arguments(mask, causal, implementation, cross))
+        return blockwise_attention(q, k, v, mask, causal, window)
+    arguments = library_arguments(mask, causal, implementation, cross)
+    if window is not None:
+        arguments["local_window_size"] = (window - 1, 0)
+    return jax.nn.dot_product_attention(q, k, v, **arguments)
 
 
 def library_arguments(mask, causal: bool, implementation: str, cross: bool = False) -> dict:
@@ -83,13 +89,14 @@ def _blocks(length: int, causal: bool) -> list[tuple[int, int]]:
     return [(start, min(start + size, length)) for start in range(0, length, size)]
 
 
-def _probabilities(q, k, mask, start: int, stop: int, causal: bool):
+def _probabilities(q, k, mask, start: int, stop: int, causal: bool, window: int | None = None):
     """Softmax over keys [0, S) of q [B, K, G * Tq, H], the queries at positions [start, stop) of
     the G heads that share each key head, stacked: [B, K, G * Tq, S] in float32."""
     scores = jnp.einsum("BKTH,BKSH->BKTS", q, k, preferred_element_type=jnp.float32) * q.shape[-1] ** -0.5
     visible = mask[:, None, None, : k.shape[2]]
     if causal:
-        rows = jnp.arange(stop - start)[:, None] + start >= jnp.arange(k.shape[2])[None, :]  # [Tq, S]
+        offsets = jnp.arange(stop - start)[:, None] + start - jnp.arange(k.shape[2])[None, :]  # [Tq, S]: i - j
+        rows = (offsets >= 0) if window is None else (offsets >= 0) & (offsets < window)
         groups = q.shape[2] // (stop - start)
         visible = visible & jnp.tile(rows, (groups, 1))[None, None]
     scores = jnp.where(visible, scores, MASKED)
@@ -114,18 +121,18 @@ def _unstacked(block, query_heads: int):
     return block.reshape(B, query_heads, rows * K // query_heads, H)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def blockwise_attention(q, k, v, mask, causal: bool):
-    return _forward(q, k, v, mask, causal)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def blockwise_attention(q, k, v, mask, causal: bool, window: int | None = None):
+    return _forward(q, k, v, mask, causal, window)[0]
 
 
-def _forward(q, k, v, mask, causal):
+def _forward(q, k, v, mask, causal, window=None):
     qt, kt, vt = _heads_first(q, k, v)
     heads = kt.shape[1]
     outputs, probabilities = [], []
     for start, stop in _blocks(q.shape[1], causal):
         keys = stop if causal else k.shape[1]
-        p = _probabilities(_stacked(qt[:, :, start:stop], heads), kt[:, :, :keys], mask, start, stop, causal)
+        p = _probabilities(_stacked(qt[:, :, start:stop], heads), kt[:, :, :keys], mask, start, stop, causal, window)
         probabilities.append(p)
         block = jnp.einsum("BKTS,BKSH->BKTH", p.astype(v.dtype), vt[:, :, :keys])
         outputs.append(_unstacked(block, qt.shape[1]))
@@ -133,7 +140,7 @@ def _forward(q, k, v, mask, causal):
     return output, (qt, kt, vt, mask, probabilities)
 
 
-def _backward(causal, residuals, grad_out):
+def _backward(causal, window, residuals, grad_out):
     qt, kt, vt, mask, probabilities = residuals
     (gt,) = _heads_first(grad_out)
     heads = kt.shape[1]
@@ -162,12 +169,13 @@ def _backward(causal, residuals, grad_out):
 blockwise_attention.defvjp(_forward, _backward)
 
 
-def cached_attention(q, k, v, cached_keys, cached_values, lengths):
+def cached_attention(q, k, v, cached_keys, cached_values, lengths, window: int | None = None):
     """New queries q [B, T, N, H], with their own keys and values k, v [B, T, K, H], that follow
     the `lengths` [B] positions each row holds in a cache of keys [B, K, S, H] and values
     [B, K, H, S]: each query sees the row's cached slots below its length and the new keys up
-    to its own. Slots past a row's length (stale, or zeros) stay out of sight, so that rows of
-    different lengths share one fixed-shape program. -> [B, T, N, H].
+    to its own (with a `window` W, those less than W positions behind it). Slots past a row's
+    length (stale, or zeros) stay out of sight, so that rows of different lengths share one
+    fixed-shape program. -> [B, T, N, H].
 
     One grouped softmax whatever the configured implementation: with a few queries against the
     cache, the work is reading the cache once, which no flash kernel shortens. U indexes the new
@@ -181,6 +189,11 @@ def cached_attention(q, k, v, cached_keys, cached_values, lengths):
     scores = jnp.concatenate([old, new], axis=-1) * H**-0.5  # [B, K, G, T, S + U]
     cached = jnp.broadcast_to((jnp.arange(S)[None, :] < lengths[:, None])[:, None, :], (B, T, S))
     causal = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool))[None], (B, T, T))
+    if window is not None:
+        # Query t of row b stands at position lengths[b] + t; slot s holds position s.
+        behind = (lengths[:, None, None] + jnp.arange(T)[None, :, None]) - jnp.arange(S)[None, None, :]
+        cached = cached & (behind < window)
+        causal = causal & (jnp.arange(T)[:, None] - jnp.arange(T)[None, :] < window)[None]
     visible = jnp.concatenate([cached, causal], axis=-1)  # [B, T, S + U]
     scores = jnp.where(visible[:, None, None], scores, MASKED)
     probabilities = jax.nn.softmax(scores, axis=-1).astype(v.dtype)

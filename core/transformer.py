@@ -23,6 +23,7 @@ values of the memory once; they ride in the cache (`Cache.memory`) beside the de
 
 from __future__ import annotations
 
+import functools
 from typing import ClassVar
 
 import jax
@@ -139,13 +140,22 @@ def adapters(config: ModelConfig, name: str) -> dict:
 
 
 class Attention(nnx.Module):
-    """Multi-head (or grouped-query) self-attention with a fused QKV projection."""
+    """Multi-head (or grouped-query) self-attention with a fused QKV projection; block `layer`'s
+    window and rotary base (`ModelConfig.window`, `rope_base_of`); with `qk_norm`, each head's
+    queries and keys RMS-normalized before their positions are applied."""
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, layer: int = 0, *, rngs: nnx.Rngs):
         self.config = config
+        self.window, self.rope_base = config.window(layer), config.rope_base_of(layer)
         width = (config.num_heads + 2 * config.key_value_heads) * config.head_dim
+        inner = config.num_heads * config.head_dim
         self.qkv = Dense(config.d_model, width, bias=config.bias, **adapters(config, "qkv"), rngs=rngs)
-        self.out = Dense(config.d_model, config.d_model, bias=config.bias, **adapters(config, "out"), rngs=rngs)
+        self.out = Dense(inner, config.d_model, bias=config.bias, **adapters(config, "out"), rngs=rngs)
+        if config.qk_norm:
+            self.q_norm = Norm(config.head_dim, "rmsnorm", config.norm_epsilon)
+            self.k_norm = Norm(config.head_dim, "rmsnorm", config.norm_epsilon)
+        else:
+            self.q_norm = self.k_norm = None
 
     def __call__(
         self, x: jax.Array, mask: jax.Array, positions: jax.Array, cache: KeyValues | None, prefill: bool
@@ -162,12 +172,14 @@ class Attention(nnx.Module):
         B, T, _ = x.shape
         N, K = c.num_heads, c.key_value_heads
         q, k, v = jnp.split(self.qkv(x).reshape(B, T, N + 2 * K, -1), (N, N + K), axis=2)  # [B, T, N|K, H]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if c.positions == "rotary":
-            q, k = rotary(q, positions, c.rope_base), rotary(k, positions, c.rope_base)
+            q, k = rotary(q, positions, self.rope_base), rotary(k, positions, self.rope_base)
         if cache is None or prefill:
-            y = attention(q, k, v, mask, causal=c.causal, implementation=c.attention)
+            y = attention(q, k, v, mask, causal=c.causal, implementation=c.attention, window=self.window)
         else:
-            y = cached_attention(q, k, v, cache.keys, cache.values, positions[:, 0])
+            y = cached_attention(q, k, v, cache.keys, cache.values, positions[:, 0], self.window)
         if cache is not None:
             cache = write(cache, k, v, None if prefill else positions)
         return self.out(y.reshape(B, T, -1)), cache
@@ -184,7 +196,7 @@ class CrossAttention(nnx.Module):
         self.key_value = Dense(
             config.d_model, 2 * config.key_value_heads * config.head_dim, bias=config.bias, rngs=rngs
         )
-        self.out = Dense(config.d_model, config.d_model, bias=config.bias, rngs=rngs)
+        self.out = Dense(config.num_heads * config.head_dim, config.d_model, bias=config.bias, rngs=rngs)
 
     def project(self, memory: jax.Array) -> tuple[jax.Array, jax.Array]:
         """memory [B, S, D] -> its keys and values [B, S, K, H]."""
@@ -213,19 +225,22 @@ class CrossAttention(nnx.Module):
 
 class MLP(nnx.Module):
     """GELU MLP (tanh approximation, or "gelu_exact" with erf as BERT's checkpoints were trained),
-    or SwiGLU with the gate and up projections fused into one matmul."""
+    or a gated one, SwiGLU (SiLU gate) or GeGLU (tanh GELU gate), with the gate and up
+    projections fused into one matmul."""
+
+    GATES = {"swiglu": jax.nn.silu, "geglu": functools.partial(jax.nn.gelu, approximate=True)}
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.kind = config.mlp
-        width = 2 * config.mlp_dim if self.kind == "swiglu" else config.mlp_dim
+        width = 2 * config.mlp_dim if self.kind in self.GATES else config.mlp_dim
         self.up = Dense(config.d_model, width, bias=config.bias, **adapters(config, "up"), rngs=rngs)
         self.down = Dense(config.mlp_dim, config.d_model, bias=config.bias, **adapters(config, "down"), rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         h = self.up(x)
-        if self.kind == "swiglu":
+        if self.kind in self.GATES:
             gate, h = jnp.split(h, 2, axis=-1)
-            h = jax.nn.silu(gate) * h
+            h = self.GATES[self.kind](gate) * h
         else:
             h = jax.nn.gelu(h, approximate=self.kind == "gelu")
         return self.down(h)
@@ -236,16 +251,17 @@ def make_norm(config: ModelConfig) -> Norm:
 
 
 class Block(nnx.Module):
-    """One Transformer block, pre-norm or post-norm by `config.norm_position`; with
+    """One Transformer block, pre-norm, post-norm or sandwich by `config.norm_position`; with
     `cross_attention`, a cross-attention sublayer over the memory sits between the
-    self-attention and the MLP. Each sublayer's norm keeps its name in either order, so that
-    norm1 is the attention's and norm2 the MLP's."""
+    self-attention and the MLP. Each sublayer's norm keeps its name in every order, so that
+    norm1 is the attention's and norm2 the MLP's; a sandwich adds out_norm1 and out_norm2 on
+    their outputs."""
 
-    def __init__(self, config: ModelConfig, *, cross_attention: bool = False, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, layer: int = 0, *, cross_attention: bool = False, rngs: nnx.Rngs):
         self.rate = config.dropout
         self.post_norm = config.norm_position == "post"
         self.norm1 = make_norm(config)
-        self.attention = Attention(config, rngs=rngs)
+        self.attention = Attention(config, layer, rngs=rngs)
         if cross_attention:
             self.norm_cross = make_norm(config)
             self.cross_attention = CrossAttention(config, rngs=rngs)
@@ -253,23 +269,29 @@ class Block(nnx.Module):
             self.cross_attention = None
         self.norm2 = make_norm(config)
         self.mlp = MLP(config, rngs=rngs)
+        sandwich = config.norm_position == "sandwich"
+        self.out_norm1 = make_norm(config) if sandwich else None
+        self.out_norm2 = make_norm(config) if sandwich else None
 
     def __call__(self, x, mask, positions, key, memory=None, memory_mask=None, cache=None, prefill=False):
         sublayers = 2 if self.cross_attention is None else 3
         k1, k2, k3 = ([None] * 3 if key is None else [*jax.random.split(key, sublayers), None])[:3]
         y, cache = self.attention(self._input(x, self.norm1), mask, positions, cache, prefill)
-        x = self._add(x, y, self.norm1, k1)
+        x = self._add(x, y, self.norm1, k1, self.out_norm1)
         if self.cross_attention is not None:
             y = self.cross_attention(self._input(x, self.norm_cross), memory, memory_mask)
             x = self._add(x, y, self.norm_cross, k3)
-        return self._add(x, self.mlp(self._input(x, self.norm2)), self.norm2, k2), cache
+        return self._add(x, self.mlp(self._input(x, self.norm2)), self.norm2, k2, self.out_norm2), cache
 
     def _input(self, x: jax.Array, norm: Norm) -> jax.Array:
         """What a sublayer reads: the normalized stream (pre-norm) or the stream itself (post-norm)."""
         return x if self.post_norm else norm(x)
 
-    def _add(self, x: jax.Array, y: jax.Array, norm: Norm, key: jax.Array | None) -> jax.Array:
-        """The residual sum with a sublayer's output y, normalized after it when post-norm."""
+    def _add(self, x: jax.Array, y: jax.Array, norm: Norm, key: jax.Array | None, out_norm: Norm | None = None):
+        """The residual sum with a sublayer's output y (normalized first in a sandwich),
+        normalized after it when post-norm."""
+        if out_norm is not None:
+            y = out_norm(y)
         x = x + dropout(y, self.rate, key)
         return norm(x) if self.post_norm else x
 
@@ -289,10 +311,10 @@ class Transformer(nnx.Module):
         )
         self.embedding_norm = make_norm(config) if config.embedding_norm else None
         self.blocks = nnx.List(
-            [Block(config, cross_attention=cross_attention, rngs=rngs) for _ in range(config.num_layers)]
+            [Block(config, i, cross_attention=cross_attention, rngs=rngs) for i in range(config.num_layers)]
         )
         # Post-norm blocks end normalized already.
-        self.final_norm = make_norm(config) if config.norm_position == "pre" else None
+        self.final_norm = make_norm(config) if config.norm_position != "post" else None
         # Recompute each block's activations in the backward pass instead of storing them.
         self.apply_block = nnx.remat(Block.__call__) if remat else Block.__call__
 
@@ -361,6 +383,8 @@ class Transformer(nnx.Module):
     def _run(self, x, mask, positions, dropout_key, caches, prefill, memory=None, memory_mask=None, token_types=None):
         """`memory` is the encoder's outputs [B, S, D] with `memory_mask` (training), or a
         `Memory` with each layer's keys and values (decoding); None without cross-attention."""
+        if self.config.embedding_scale:
+            x = x * jnp.asarray(self.config.d_model**0.5, x.dtype)
         if self.position_embedding is not None:
             x = x + self.position_embedding(positions).astype(x.dtype)
         if self.token_type_embedding is not None:

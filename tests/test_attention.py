@@ -69,3 +69,32 @@ def test_score_fraction_counts_the_blocks_computed():
     # T=100: blocks [0, 64) and [64, 100) see 64 and 100 keys: (64*64 + 36*100) / 100^2.
     assert score_fraction(100, True, "blockwise") == (64 * 64 + 36 * 100) / 100**2
     assert score_fraction(256, False, "blockwise") == 1.0 and score_fraction(256, True, "xla") == 1.0
+
+
+@pytest.mark.parametrize("implementation", ["blockwise", "xla"])
+def test_a_sliding_window_sees_the_last_w_positions(implementation):
+    """Both kernels against the softmax written out with the window's mask (values and
+    gradients): query i sees keys i - 2 .. i, across the blockwise kernel's blocks."""
+    rng = np.random.default_rng(3)
+    length, window = 150, 3
+    q, cotangent = (jnp.asarray(rng.standard_normal((2, length, 4, 8), np.float32)) for _ in range(2))
+    k, v = (jnp.asarray(rng.standard_normal((2, length, 2, 8), np.float32)) for _ in range(2))
+    mask = jnp.asarray(np.arange(length)[None, :] < np.array([[length], [100]]))
+    offsets = np.arange(length)[:, None] - np.arange(length)[None, :]
+    allowed = jnp.asarray((offsets >= 0) & (offsets < window))[None, None] & mask[:, None, None, :]
+
+    def reference(q, k, v):
+        keys, values = jnp.repeat(k, 2, axis=2), jnp.repeat(v, 2, axis=2)
+        scores = jnp.einsum("BTNH,BSNH->BNTS", q, keys) / np.sqrt(8)
+        probabilities = jax.nn.softmax(jnp.where(allowed, scores, -1e30), axis=-1)
+        return jnp.einsum("BNTS,BSNH->BTNH", probabilities, values)
+
+    def loss(f):
+        return lambda q, k, v: (f(q, k, v) * cotangent * mask[:, :, None, None]).sum()
+
+    kernel = lambda q, k, v: attention(q, k, v, mask, causal=True, implementation=implementation, window=window)  # noqa: E731
+    for a, b in zip(
+        jax.value_and_grad(loss(kernel), (0, 1, 2))(q, k, v), jax.value_and_grad(loss(reference), (0, 1, 2))(q, k, v)
+    ):
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+            np.testing.assert_allclose(x, y, atol=2e-5, rtol=1e-4)

@@ -18,6 +18,21 @@ from core.transformer import Model, Transformer
 
 VOCAB = 50
 PROMPTS = [[3, 14, 15], [9, 2, 6, 5, 35, 8, 9], [27]]
+# Gemma 3's blocks at a tiny size: heads of their own size, QK-norm, sandwich norms, GeGLU, scaled
+# embeddings, and a window of 4 on every other layer (with its own rotary base), which the 20
+# positions of the cache test cross.
+GEMMA_SHAPED = {
+    "positions": "rotary",
+    "num_kv_heads": 1,
+    "head_size": 16,
+    "qk_norm": True,
+    "norm_position": "sandwich",
+    "mlp": "geglu",
+    "embedding_scale": True,
+    "sliding_window": 4,
+    "global_every": 2,
+    "rope_local_base": 100.0,
+}
 
 
 def language_model(**changes) -> Model:
@@ -53,6 +68,8 @@ jit_extend = nnx.jit(extend)
         {"positions": "learned", "num_kv_heads": 2},
         {"positions": "rotary", "num_kv_heads": 1},
         {"positions": "rotary", "num_kv_heads": 2, "attention": "xla"},
+        GEMMA_SHAPED,
+        {**GEMMA_SHAPED, "attention": "xla"},
     ],
 )
 def test_cached_decoding_equals_the_full_forward_pass(changes):

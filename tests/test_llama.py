@@ -54,7 +54,9 @@ def test_a_gguf_of_another_architecture(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(UserError, match="the 'gpt2' architecture, which the core does not build; it builds llama"):
+    with pytest.raises(
+        UserError, match="the 'gpt2' architecture, which the core does not build; it builds gemma3, llama"
+    ):
         pretrained.read_checkpoint(str(path))
 
 
@@ -126,7 +128,9 @@ def test_logits_match_hugging_face_on_the_same_file(smollm2):
     for i in range(3):
         ids = reference[f"ids_{i}"]
         assert tokenizer.pieces([str(reference[f"prompt_{i}"])])[0] == ids.tolist()
-        logits = np.asarray(model({"inputs": jnp.asarray(ids[None]), "mask": jnp.ones((1, len(ids)), bool)}).logits())[0]
+        logits = np.asarray(model({"inputs": jnp.asarray(ids[None]), "mask": jnp.ones((1, len(ids)), bool)}).logits())[
+            0
+        ]
         np.testing.assert_allclose(logits[:, columns], reference[f"logits_{i}"], atol=2e-3, rtol=1e-3)
         np.testing.assert_allclose(jax.nn.logsumexp(logits, -1), reference[f"logsumexp_{i}"], atol=2e-3)
         np.testing.assert_array_equal(logits.argmax(-1), reference[f"argmax_{i}"])
