@@ -139,22 +139,36 @@ def evaluate(
     workdir: WorkdirOpt = None,
     split: Annotated[str, typer.Option(help="valid or test.")] = "test",
     data: DataOpt = None,
+    model: Annotated[
+        Optional[str],
+        typer.Option(
+            help="Score a pretrained checkpoint as it is (zero-shot; lm: smollm2-135m-instruct, gemma3-270m)."
+        ),
+    ] = None,
+    preset: Annotated[
+        Optional[str], typer.Option(help="With --model: the preset whose data and lengths it is scored with.")
+    ] = None,
 ) -> None:
-    """Score the best checkpoint of WORKDIR on a split; writes WORKDIR/eval_<split>.json."""
+    """Score the best checkpoint of WORKDIR on a split; writes WORKDIR/eval_<split>.json. With
+    --model, a pretrained checkpoint as it is (written into --workdir if given)."""
     if split not in ("valid", "test"):
         raise UserError(f"--split {split!r}: expected valid or test.")
+    if preset is not None and model is None:
+        raise UserError("--preset goes with --model; a trained run's workdir holds its own configuration.")
     task_type = _task(task)
     _show_task_log()
     from core import run
 
-    workdir = workdir or Path("runs") / task
-    result = run.evaluate(task_type, workdir, split=split, data=data)
+    if model is None:
+        workdir = workdir or Path("runs") / task
+    result = run.evaluate(task_type, workdir, split=split, data=data, model=model, preset=preset)
     # Generated text scored per decoding (greedy, beam), then the baselines: one column each.
     columns = {name: result.pop(name) for name in task_type.evaluated_decodings}
     columns.update(result.pop("baselines", {}))
     title = f"{task} on {split} ({result.pop('checkpoint')}): {result.pop('dataset')}; {result.pop('protocol')}"
     _print_metrics(title, result, columns)
-    typer.echo(f"Wrote {workdir / f'eval_{split}.json'}.")
+    if workdir is not None:
+        typer.echo(f"Wrote {workdir / f'eval_{split}.json'}.")
 
 
 @app.command(context_settings={"ignore_unknown_options": True})

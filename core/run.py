@@ -170,19 +170,21 @@ def load(task_type: type, workdir: str | Path, data: str | None = None) -> Loade
     return Loaded(task, featurizer, steps, restored.value, restored.where)
 
 
-def load_pretrained(task_type: type, name: str) -> Loaded:
+def load_pretrained(task_type: type, name: str, preset: str | None = None, data: str | None = None) -> Loaded:
     """A pretrained checkpoint as a run never trained, for a task that predicts with one as it is
-    (`Task.zero_shot`): the default preset with `model.pretrained=name` over the checkpoint's
-    whole context, its weights, and the featurizer that the task fits on no examples (the
-    checkpoint's tokenizer)."""
+    (`Task.zero_shot`): `preset` (default: the task's default preset over the checkpoint's whole
+    context) with `model.pretrained=name`, its weights, and the featurizer that the task fits on
+    no examples (the checkpoint's tokenizer)."""
     if not task_type.zero_shot:
         raise UserError(
             f"{task_type.name} predicts with a trained run (--workdir); --model serves the tasks that use a "
             "pretrained checkpoint as it is (lm)."
         )
-    context = pretrained.read_checkpoint(name).model.max_len
-    config = make_config(task_type, None, [f"model.pretrained={name!r}", f"model.max_len={context}"])
-    task = task_type(config=config)
+    overrides = [f"model.pretrained={name!r}"]
+    if preset is None:
+        overrides.append(f"model.max_len={pretrained.read_checkpoint(name).model.max_len}")
+    config = make_config(task_type, preset, overrides)
+    task = task_type(config=config, data=data)
     featurizer = task.fit_featurizer([])
     model = build_model(task, featurizer, config, from_pretrained=True)
     steps = make_steps(task, model, config, config.train.steps, training=False)
@@ -190,10 +192,24 @@ def load_pretrained(task_type: type, name: str) -> Loaded:
 
 
 def evaluate(
-    task_type: type, workdir: str | Path, *, split: str = "test", data: str | None = None, baselines: bool = True
+    task_type: type,
+    workdir: str | Path | None = None,
+    *,
+    split: str = "test",
+    data: str | None = None,
+    baselines: bool = True,
+    model: str | None = None,
+    preset: str | None = None,
 ) -> dict[str, Any]:
-    """Scores the best checkpoint on `split`; writes and returns `eval_<split>.json`."""
-    loaded = load(task_type, workdir, data)
+    """Scores the best checkpoint of the run in `workdir` on `split`, or a pretrained checkpoint
+    `model` as it is (zero-shot, with `preset`'s data and lengths); writes `eval_<split>.json`
+    into `workdir` when there is one, and returns it."""
+    if model is None:
+        if workdir is None:
+            raise UserError("Evaluate a trained run (--workdir) or a pretrained checkpoint (--model).")
+        loaded = load(task_type, workdir, data)
+    else:
+        loaded = load_pretrained(task_type, model, preset, data)
     task, featurizer = loaded.task, loaded.featurizer
     examples = _examples(task, split)
     streamed, predictions = evaluate_arrays(
@@ -209,7 +225,8 @@ def evaluate(
     result.update(task.protocol(), split=split, examples=len(examples), checkpoint=loaded.checkpoint)
     if baselines:
         result["baselines"] = task.baselines(_examples(task, "train"), examples, featurizer)
-    if jax.process_index() == 0:
+    if jax.process_index() == 0 and workdir is not None:
+        Path(workdir).mkdir(parents=True, exist_ok=True)
         write_json(Path(workdir) / f"eval_{split}.json", result)
     return result
 
@@ -230,7 +247,7 @@ class Predictor:
     ):
         if (workdir is None) == (model is None):
             raise UserError("A Predictor reads a trained run (workdir) or a pretrained checkpoint (model): give one.")
-        self.loaded = load(task_type, workdir, data) if model is None else load_pretrained(task_type, model)
+        self.loaded = load(task_type, workdir, data) if model is None else load_pretrained(task_type, model, data=data)
         self.task, self.featurizer = self.loaded.task, self.loaded.featurizer
         self.model = self.loaded.steps.model(self.loaded.params)
 

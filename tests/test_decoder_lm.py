@@ -159,3 +159,13 @@ def test_merged_adapters_give_the_adapted_outputs(lora_run):
 def test_lora_needs_a_pretrained_body():
     result = apps("train", "lm", "--preset", "tiny", "--set", "model.lora_rank=4")
     assert result.exit_code == 1 and "model.lora_rank=4 adapts a pretrained body" in plain(result.output)
+
+
+def test_the_adapted_run_beats_its_checkpoint_zero_shot(tiny, lora_run, tmp_path):
+    workdir, data = lora_run
+    result = apps("eval", "lm", "--model", tiny, "--preset", "tiny", "--data", data, "--workdir", tmp_path / "zero")
+    assert result.exit_code == 0, result.output
+    zero_shot = json.loads((tmp_path / "zero" / "eval_test.json").read_text())
+    adapted = run.evaluate(LMTask, workdir, data=str(data), baselines=False)
+    assert zero_shot["checkpoint"] == f"pretrained {tiny}" and zero_shot["examples"] == adapted["examples"]
+    assert adapted["bits_per_character"] < 0.5 * zero_shot["bits_per_character"]
