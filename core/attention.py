@@ -18,6 +18,9 @@ keys; output [B, T, N, H]. The blockwise kernel stacks the G query heads of each
 rows of one [B, K, G * T, H] operand instead of repeating the keys G times; with G = 1 that is
 the plain multi-head program, unchanged. XLA's kernel groups the heads natively.
 
+Packed rows (several examples in one row, `segments` [B, T]: each position's example, 1, 2, ...)
+attend within their own example only: a query sees the keys of its segment.
+
 A causal layer with a `window` W (sliding-window attention) lets query i see keys i - W + 1 .. i
 only; the blockwise kernel masks the rest, XLA's takes it as `local_window_size`.
 
@@ -41,12 +44,18 @@ MIN_BLOCK = 64
 MAX_BLOCKS = 4
 
 
-def attention(q, k, v, mask, *, causal: bool, implementation: str, cross: bool = False, window: int | None = None):
+def attention(
+    q, k, v, mask, *, causal: bool, implementation: str, cross: bool = False, window: int | None = None, segments=None
+):
     if implementation == "auto":
         implementation = "blockwise" if jax.default_backend() == "cpu" else "xla"
     if implementation == "blockwise":
-        return blockwise_attention(q, k, v, mask, causal, window)
+        return blockwise_attention(q, k, v, mask, causal, window, segments)
     arguments = library_arguments(mask, causal, implementation, cross)
+    if segments is not None:
+        if implementation == "cudnn":
+            raise ValueError("Packed rows (segments) need the xla or blockwise attention kernel.")
+        arguments["mask"] = arguments["mask"] & (segments[:, :, None] == segments[:, None, :])[:, None]
     if window is not None:
         arguments["local_window_size"] = (window - 1, 0)
     return jax.nn.dot_product_attention(q, k, v, **arguments)
@@ -89,11 +98,14 @@ def _blocks(length: int, causal: bool) -> list[tuple[int, int]]:
     return [(start, min(start + size, length)) for start in range(0, length, size)]
 
 
-def _probabilities(q, k, mask, start: int, stop: int, causal: bool, window: int | None = None):
+def _probabilities(q, k, mask, start: int, stop: int, causal: bool, window: int | None = None, segments=None):
     """Softmax over keys [0, S) of q [B, K, G * Tq, H], the queries at positions [start, stop) of
     the G heads that share each key head, stacked: [B, K, G * Tq, S] in float32."""
     scores = jnp.einsum("BKTH,BKSH->BKTS", q, k, preferred_element_type=jnp.float32) * q.shape[-1] ** -0.5
     visible = mask[:, None, None, : k.shape[2]]
+    if segments is not None:
+        same = segments[:, start:stop, None] == segments[:, None, : k.shape[2]]  # [B, Tq, S]
+        visible = visible & jnp.tile(same, (1, q.shape[2] // (stop - start), 1))[:, None]
     if causal:
         offsets = jnp.arange(stop - start)[:, None] + start - jnp.arange(k.shape[2])[None, :]  # [Tq, S]: i - j
         rows = (offsets >= 0) if window is None else (offsets >= 0) & (offsets < window)
@@ -122,26 +134,28 @@ def _unstacked(block, query_heads: int):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def blockwise_attention(q, k, v, mask, causal: bool, window: int | None = None):
-    return _forward(q, k, v, mask, causal, window)[0]
+def blockwise_attention(q, k, v, mask, causal: bool, window: int | None = None, segments=None):
+    return _forward(q, k, v, mask, causal, window, segments)[0]
 
 
-def _forward(q, k, v, mask, causal, window=None):
+def _forward(q, k, v, mask, causal, window=None, segments=None):
     qt, kt, vt = _heads_first(q, k, v)
     heads = kt.shape[1]
     outputs, probabilities = [], []
     for start, stop in _blocks(q.shape[1], causal):
         keys = stop if causal else k.shape[1]
-        p = _probabilities(_stacked(qt[:, :, start:stop], heads), kt[:, :, :keys], mask, start, stop, causal, window)
+        p = _probabilities(
+            _stacked(qt[:, :, start:stop], heads), kt[:, :, :keys], mask, start, stop, causal, window, segments
+        )
         probabilities.append(p)
         block = jnp.einsum("BKTS,BKSH->BKTH", p.astype(v.dtype), vt[:, :, :keys])
         outputs.append(_unstacked(block, qt.shape[1]))
     output = jnp.concatenate(outputs, axis=2).transpose(0, 2, 1, 3)
-    return output, (qt, kt, vt, mask, probabilities)
+    return output, (qt, kt, vt, mask, segments, probabilities)
 
 
 def _backward(causal, window, residuals, grad_out):
-    qt, kt, vt, mask, probabilities = residuals
+    qt, kt, vt, mask, segments, probabilities = residuals
     (gt,) = _heads_first(grad_out)
     heads = kt.shape[1]
     scale = qt.shape[-1] ** -0.5
@@ -163,7 +177,7 @@ def _backward(causal, window, residuals, grad_out):
         )
     grad_q = jnp.concatenate(grad_q, axis=2)
     grad_q, grad_k, grad_v = _heads_first(grad_q, grad_k.astype(kt.dtype), grad_v.astype(vt.dtype))
-    return grad_q, grad_k, grad_v, None
+    return grad_q, grad_k, grad_v, None, None
 
 
 blockwise_attention.defvjp(_forward, _backward)

@@ -158,7 +158,7 @@ class Attention(nnx.Module):
             self.q_norm = self.k_norm = None
 
     def __call__(
-        self, x: jax.Array, mask: jax.Array, positions: jax.Array, cache: KeyValues | None, prefill: bool
+        self, x: jax.Array, mask: jax.Array, positions: jax.Array, cache: KeyValues | None, prefill: bool, segments=None
     ) -> tuple[jax.Array, KeyValues | None]:
         """x [B, T, D] at `positions` [B, T] -> [B, T, D] and the cache with this chunk's keys.
 
@@ -177,7 +177,9 @@ class Attention(nnx.Module):
         if c.positions == "rotary":
             q, k = rotary(q, positions, self.rope_base), rotary(k, positions, self.rope_base)
         if cache is None or prefill:
-            y = attention(q, k, v, mask, causal=c.causal, implementation=c.attention, window=self.window)
+            y = attention(
+                q, k, v, mask, causal=c.causal, implementation=c.attention, window=self.window, segments=segments
+            )
         else:
             y = cached_attention(q, k, v, cache.keys, cache.values, positions[:, 0], self.window)
         if cache is not None:
@@ -273,10 +275,12 @@ class Block(nnx.Module):
         self.out_norm1 = make_norm(config) if sandwich else None
         self.out_norm2 = make_norm(config) if sandwich else None
 
-    def __call__(self, x, mask, positions, key, memory=None, memory_mask=None, cache=None, prefill=False):
+    def __call__(
+        self, x, mask, positions, key, memory=None, memory_mask=None, cache=None, prefill=False, segments=None
+    ):
         sublayers = 2 if self.cross_attention is None else 3
         k1, k2, k3 = ([None] * 3 if key is None else [*jax.random.split(key, sublayers), None])[:3]
-        y, cache = self.attention(self._input(x, self.norm1), mask, positions, cache, prefill)
+        y, cache = self.attention(self._input(x, self.norm1), mask, positions, cache, prefill, segments)
         x = self._add(x, y, self.norm1, k1, self.out_norm1)
         if self.cross_attention is not None:
             y = self.cross_attention(self._input(x, self.norm_cross), memory, memory_mask)
@@ -327,15 +331,20 @@ class Transformer(nnx.Module):
         memory_mask: jax.Array | None = None,
         dropout_key: jax.Array | None = None,
         token_types: jax.Array | None = None,
+        segments: jax.Array | None = None,
     ) -> jax.Array:
         """x [B, T, D] embedded inputs, mask [B, T] true at real positions -> [B, T, D]; with
         cross-attention, over `memory` [B, S, D] whose `memory_mask` [B, S] marks real positions.
         `token_types` [B, T] are the segments of a body with a token-type table (None: all 0, one
-        sentence, as BERT reads it)."""
+        sentence, as BERT reads it). `segments` [B, T] number the examples packed in each row
+        (1, 2, ...): each attends within itself, at positions counted from its own start."""
         self._check_memory(memory)
         B, T, _ = x.shape
         positions = jnp.broadcast_to(jnp.arange(T), (B, T))
-        return self._run(x, mask, positions, dropout_key, None, False, memory, memory_mask, token_types)[0]
+        if segments is not None:
+            starts = jnp.where(segments != jnp.pad(segments, ((0, 0), (1, 0)))[:, :-1], positions, 0)
+            positions = positions - jax.lax.cummax(starts, axis=1)
+        return self._run(x, mask, positions, dropout_key, None, False, memory, memory_mask, token_types, segments)[0]
 
     def project_memory(self, memory: jax.Array, memory_mask: jax.Array) -> Memory:
         """Every layer's cross-attention keys and values of `memory` [B, S, D], for a decoding
@@ -380,7 +389,19 @@ class Transformer(nnx.Module):
                 f" (cross_attention={self.cross_attention}, memory given: {memory is not None})."
             )
 
-    def _run(self, x, mask, positions, dropout_key, caches, prefill, memory=None, memory_mask=None, token_types=None):
+    def _run(
+        self,
+        x,
+        mask,
+        positions,
+        dropout_key,
+        caches,
+        prefill,
+        memory=None,
+        memory_mask=None,
+        token_types=None,
+        segments=None,
+    ):
         """`memory` is the encoder's outputs [B, S, D] with `memory_mask` (training), or a
         `Memory` with each layer's keys and values (decoding); None without cross-attention."""
         if self.config.embedding_scale:
@@ -398,7 +419,7 @@ class Transformer(nnx.Module):
         for i, block in enumerate(self.blocks):
             if caches is None:
                 key = None if dropout_key is None else jax.random.fold_in(dropout_key, i + 1)
-                x, _ = self.apply_block(block, x, mask, positions, key, memory, memory_mask)
+                x, _ = self.apply_block(block, x, mask, positions, key, memory, memory_mask, None, False, segments)
             else:
                 # No backward pass when decoding, so nothing to rematerialize.
                 layer_memory = None if memory is None else memory.layers[i]
@@ -428,6 +449,8 @@ class Model(nnx.Module):
         self.head = head
 
     def __call__(self, batch: dict, *, dropout_key: jax.Array | None = None):
+        """`batch["segments"]`, where a task packs several examples into a row (see
+        `Transformer.__call__`), keeps them apart."""
         x, mask = self.embedder(batch["inputs"], batch["mask"])
-        hidden = self.body(x, mask, dropout_key=dropout_key)
+        hidden = self.body(x, mask, dropout_key=dropout_key, segments=batch.get("segments"))
         return self.head(hidden, mask)

@@ -15,6 +15,7 @@ from core import generate, lora, pretrained, run
 from core.errors import UserError
 from tasks.common import chat
 from tasks.common.tokenizer import PretrainedTokenizer
+from tasks.nlp import instructions
 from tasks.nlp.lm import LanguageModel, LMFeaturizer, LMTask
 
 
@@ -169,3 +170,51 @@ def test_the_adapted_run_beats_its_checkpoint_zero_shot(tiny, lora_run, tmp_path
     adapted = run.evaluate(LMTask, workdir, data=str(data), baselines=False)
     assert zero_shot["checkpoint"] == f"pretrained {tiny}" and zero_shot["examples"] == adapted["examples"]
     assert adapted["bits_per_character"] < 0.5 * zero_shot["bits_per_character"]
+
+
+def test_the_loss_counts_the_assistants_turns_alone(tokenizer):
+    """A two-turn conversation rendered with ChatML: the scored ids are exactly each answer's
+    text and the <|im_end|> that closes it (not the newline the template writes after it)."""
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "the"},
+        {"role": "user", "content": "and"},
+        {"role": "assistant", "content": "theme"},
+    ]
+    ids, scored = instructions.tokenize(tokenizer, {"messages": messages}, "example 1")
+    pieces = [tokenizer.tokenizer.id_to_token(i) for i, s in zip(ids, scored) if s]
+    assert pieces == ["the", "<|im_end|>", "the", "m", "e", "<|im_end|>"]
+    assert tokenizer.tokenizer.decode(ids, skip_special_tokens=False) == tokenizer.render_chat(messages, False)
+
+
+def test_prompt_and_completion_without_a_template(tmp_path):
+    plain_gguf = write_tiny_gguf(tmp_path / "base.gguf", chat_template=None)
+    base = PretrainedTokenizer.from_checkpoint(str(plain_gguf))
+    ids, scored = instructions.tokenize(base, {"prompt": "ab", "completion": "c"}, "example 1")
+    assert ids == [2, 67, 68, 69, 2] and scored == [False, False, False, True, True]
+    with pytest.raises(UserError, match="conversations need a model with a chat template"):
+        instructions.tokenize(base, {"messages": [{"role": "user", "content": "x"}]}, "example 1")
+
+
+def test_examples_are_packed_without_crossing():
+    examples = [([1, 2, 3, 4], [False, False, True, True]), ([5, 6, 7], [False, True, True]), ([8, 9], [False, True])]
+    batch = instructions.pack(examples, max_len=5, pad=0)
+    # First fit in order: row 0 holds example 1 (3 predictions) and example 2 (2); example 3 opens row 1.
+    np.testing.assert_array_equal(batch["inputs"], [[1, 2, 3, 5, 6], [8, 0, 0, 0, 0]])
+    np.testing.assert_array_equal(batch["targets"], [[2, 3, 4, 6, 7], [9, 0, 0, 0, 0]])
+    np.testing.assert_array_equal(batch["target_mask"], [[0, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
+    np.testing.assert_array_equal(batch["segments"], [[1, 1, 1, 2, 2], [1, 0, 0, 0, 0]])
+
+
+def test_fine_tuning_on_conversations_learns_the_answers(tiny, tmp_path):
+    rows = [
+        {"messages": [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": "the theme"}]}
+        for i in range(60)
+    ]
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    overrides = [f"model.pretrained={str(tiny)!r}", "optim.learning_rate=0.01", "model.max_len=64"]
+    workdir = tmp_path / "run"
+    run.train(LMTask, workdir=workdir, preset="tiny", overrides=overrides, data=str(data))
+    [answer] = LanguageModel(workdir).generate(["question 7"], chat=True, temperature=0, max_new_tokens=8)
+    assert answer == "the theme"

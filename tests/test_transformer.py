@@ -97,3 +97,27 @@ def test_post_norm_blocks_end_normalized_with_biases_and_token_types():
     segments = jnp.asarray(np.arange(10) >= 5, jnp.int32)[None].repeat(2, 0)
     assert not np.allclose(model(x, mask, token_types=segments), out)
     np.testing.assert_allclose(model(x, mask, token_types=jnp.zeros((2, 10), jnp.int32)), out, atol=1e-6)
+
+
+@pytest.mark.parametrize("attention", ["blockwise", "xla"])
+@pytest.mark.parametrize("positions", ["rotary", "learned"])
+def test_packed_examples_read_as_if_alone(attention, positions):
+    """Three examples packed in one row (segments 1, 2, 3, then padding) give each position the
+    hidden state that the example alone gives: no attention across them, positions from each start."""
+    from core.heads import TiedOutput
+
+    config = ModelConfig(**{**TINY_BODY, "max_len": 16, "causal": True, "positions": positions, "attention": attention})
+    rngs = nnx.Rngs(0)
+    embedder = TokenEmbedder(50, config.d_model, rngs=rngs)
+    model = Model(embedder, Transformer(config, rngs=rngs), TiedOutput(embedder))
+    examples = [[5, 9, 3], [7, 1, 1, 4, 2], [8, 8]]
+    row = [token for example in examples for token in example] + [0] * 6
+    segments = [i + 1 for i, example in enumerate(examples) for _ in example] + [0] * 6
+    packed = model(
+        {"inputs": jnp.asarray([row]), "mask": jnp.asarray([segments]) > 0, "segments": jnp.asarray([segments])}
+    ).logits()[0]
+    start = 0
+    for example in examples:
+        alone = model({"inputs": jnp.asarray([example]), "mask": jnp.ones((1, len(example)), bool)}).logits()[0]
+        np.testing.assert_allclose(packed[start : start + len(example)], alone, atol=1e-5, rtol=1e-5)
+        start += len(example)

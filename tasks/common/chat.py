@@ -76,8 +76,15 @@ def _compiled(template: str):
         raise UserError(f"The checkpoint's chat template does not parse: {error}") from None
 
 
-def render(template: str | None, messages: Sequence[Message], special: dict[str, str], where: str) -> str:
-    """The conversation as the model reads it, ending where the assistant's answer begins."""
+def render(
+    template: str | None,
+    messages: Sequence[Message],
+    special: dict[str, str],
+    where: str,
+    generation_prompt: bool = True,
+) -> str:
+    """The conversation as the model reads it; with `generation_prompt`, up to where the
+    assistant's answer begins."""
     if not template:
         raise UserError(f"{where} has no chat template: use plain prompts (without --chat).")
-    return _compiled(template).render(messages=list(messages), add_generation_prompt=True, **special)
+    return _compiled(template).render(messages=list(messages), add_generation_prompt=generation_prompt, **special)

@@ -192,11 +192,22 @@ class PretrainedTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
 
-    def chat_ids(self, messages: Sequence[chat.Message]) -> list[int]:
-        """A conversation rendered with the checkpoint's chat template, up to where the
-        assistant's answer begins, as ids (the template writes BOS itself where it wants one)."""
+    def pieces_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """The text's ids, as `pieces`, and each one's span of characters in it."""
+        self.tokenizer.no_truncation()
+        encoding = self.tokenizer.encode(text, add_special_tokens=False)
+        return encoding.ids, encoding.offsets
+
+    def render_chat(self, messages: Sequence[chat.Message], generation_prompt: bool = True) -> str:
+        """A conversation as the checkpoint's chat template writes it (with `generation_prompt`,
+        up to where the assistant's answer begins)."""
         special = {key: self.config[key] for key in ("bos_token", "eos_token", "pad_token") if key in self.config}
-        return self.pieces([chat.render(self.chat_template, messages, special, self.where)])[0]
+        return chat.render(self.chat_template, messages, special, self.where, generation_prompt)
+
+    def chat_ids(self, messages: Sequence[chat.Message]) -> list[int]:
+        """A conversation rendered for the assistant's answer, as ids (the template writes BOS
+        itself where it wants one)."""
+        return self.pieces([self.render_chat(messages)])[0]
 
 
 def load_tokenizer(directory: Path) -> Tokenizer | PretrainedTokenizer:

@@ -37,7 +37,7 @@ from core.run import Predictor
 from core.task import PredictOption, Task, final, scored_positions
 from tasks.common import chat
 from tasks.common.tokenizer import PretrainedTokenizer, Tokenizer, load_tokenizer
-from tasks.nlp import corpus
+from tasks.nlp import corpus, instructions
 from tasks.nlp.ngram import KneserNey, Unigram, bits_per_character
 
 
@@ -127,6 +127,9 @@ class LMFeaturizer:
         return self.tokenizer.decode([*prompt, *new])[len(self.tokenizer.decode(prompt)) :]
 
     def __call__(self, examples: Sequence[dict]) -> dict[str, np.ndarray]:
+        if examples and "text" in examples[0] and ("messages" in examples[0] or "completion" in examples[0]):
+            tokenized = [instructions.tokenize(self.tokenizer, e, f"example {i}") for i, e in enumerate(examples, 1)]
+            return instructions.pack(tokenized, self.max_len, self.tokenizer.pad_id)
         start, end = self.tokenizer.start_id, self.tokenizer.eos_id
         # Documents as [start] pieces [end]; for a tokenizer that adds no BOS (start is EOS) one
         # EOS separates two documents, as in GPT-2's training: [EOS] doc [EOS] doc [EOS].
@@ -152,7 +155,8 @@ class LMFeaturizer:
 
 
 def characters(examples: Sequence[dict]) -> int:
-    """The characters that a split's predictions cover: every text, plus one per document end."""
+    """The characters that a split's predictions cover: every text, plus one per document end
+    (for instruction data, the answers, plus one per answer's end)."""
     return sum(len(e["text"]) + 1 for e in examples)
 
 
@@ -198,12 +202,22 @@ class LMTask(Task):
             raise UserError("The lm task needs a causal decoder: --set model.causal=True.")
 
     def examples(self, split: str) -> list[dict]:
+        if instructions.is_instruction_table(self.data):
+            return corpus.split_documents(instructions.read(self.data), self.data)[split]
         texts = corpus.documents(split, self.data, self.config.data.text_column)
         if split == "valid" and self.config.data.valid_chars is not None:
             texts = [text[: self.config.data.valid_chars] for text in texts]
         return [{"text": text} for text in texts if text.strip()]
 
     def protocol(self) -> dict[str, str]:
+        length = self.config.model.max_len
+        if instructions.is_instruction_table(self.data):
+            return {
+                "dataset": self.data,
+                "protocol": "instruction data split 90/5/5 by row; the loss on the answers and their end tokens only, "
+                f"examples packed into rows of {length} without attending across them; bits per character over "
+                "the answers plus one per answer's end",
+            }
         if self.data is None:
             split = (
                 f"split by work: valid {', '.join(corpus.VALID_WORKS)}; test {', '.join(corpus.TEST_WORKS)}; "
@@ -211,9 +225,11 @@ class LMTask(Task):
             )
         else:
             split = "the corpus's own split, or 90/5/5 by document (one .txt file: by characters)"
+        if self.config.data.valid_chars is not None:
+            split += f" (valid: each document's first {self.config.data.valid_chars} characters)"
         return {
             "dataset": self.data or self.default_data,
-            "protocol": f"{split}; documents as [BOS] pieces [EOS] packed into rows of {self.config.model.max_len}, "
+            "protocol": f"{split}; documents as [start] pieces [EOS] packed into rows of {length}, "
             "every piece and EOS predicted once; bits per character over the text plus one per document end",
         }
 
