@@ -89,7 +89,7 @@ def test_predict_with_a_checkpoint_chats_and_streams(tiny):
     "args, message",
     [
         (["--system", "Be brief.", "hi"], "--system is the system message of a chat: give --chat too."),
-        (["hi " * 200], "Prompt 1 is 601 tokens long; the model reads 128 at most"),
+        (["hi " * 200], "Prompt 1 is 601 tokens long; with --max-new-tokens 4 that is past the 128 positions"),
         (["--chat", '[{"role": "user", "content": 3}]'], "input 1: message 0 (user) needs a text content"),
     ],
 )

@@ -301,12 +301,16 @@ class LMTask(Task):
         if options["system"] and not options["chat"]:
             raise UserError("--system is the system message of a chat: give --chat too.")
         prompts = [featurizer.prompt(example, options["system"]) for example in examples]
+        # A prompt past the context of a pretrained model, or a conversation (whose beginning the
+        # template needs), is refused; a run trained here keeps a long text's end (core.generate).
         context = self.config.model.max_len
-        for index, prompt in enumerate(prompts):
-            if len(prompt) >= context:
+        for index, (prompt, example) in enumerate(zip(prompts, examples)):
+            strict = "messages" in example or self.config.model.pretrained is not None
+            if strict and len(prompt) + options["max_new_tokens"] > context:
+                new = options["max_new_tokens"]
                 raise UserError(
-                    f"Prompt {index + 1} is {len(prompt)} tokens long; the model reads {context} at most "
-                    f"(model.max_len), prompt and new tokens together: shorten it."
+                    f"Prompt {index + 1} is {len(prompt)} tokens long; with --max-new-tokens {new} that is past "
+                    f"the {context} positions the model reads (model.max_len): shorten it."
                 )
         stops = featurizer.tokenizer.stop_ids
         settings = {
