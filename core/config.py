@@ -51,6 +51,8 @@ class ModelConfig:
     rope_local_base: float | None = None
     # Each head's size when it is not d_model / num_heads (Gemma 3 270M: 4 heads of 256 in d 640).
     head_size: int | None = None
+    # Biases on the query, key and value projections alone (Qwen2); `bias` puts them everywhere.
+    qkv_bias: bool = False
     # RMSNorm over each head's queries and keys before the rotary positions (Gemma 3).
     qk_norm: bool = False
     # Multiply the input embeddings by sqrt(d_model) (Gemma; the tied output reads the table unscaled).

@@ -179,9 +179,15 @@ class ShowProgress:
         self.progress.update(
             self.bar,
             completed=info.step,
-            info=f"loss {record['loss']:.4f}  {record['examples_per_s']:,.0f} ex/s  "
-            f"{record['tokens_per_s']:,.0f} tok/s",
+            info=f"loss {record['loss']:.4f}  {rate(record['examples_per_s'])} ex/s  "
+            f"{rate(record['tokens_per_s'])} tok/s",
         )
+
+
+def rate(value: float) -> str:
+    """A rate for the progress bar: whole numbers, or two figures below 10 (a pretrained model's
+    0.27 rows a second is not 0)."""
+    return f"{value:,.0f}" if value >= 10 else f"{value:.2g}"
 
 
 class KeepBest:

@@ -1,8 +1,9 @@
 """Pretrained checkpoints as the core's own modules: the machinery every checkpoint family shares.
 
-A family (BERT/RoBERTa folders in `core/bert.py`, GGUF files in `core/gguf_files.py`, whose
-architectures are `core/llama.py` and `core/gemma.py`; each in
-its own module) says which checkpoints it claims, turns a checkpoint's configuration into a
+A family (BERT/RoBERTa folders in `core/bert.py`, Llama/Qwen2/Gemma 3 folders in
+`core/hf_decoders.py`, GGUF files in `core/gguf_files.py`, whose architectures are
+`core/llama.py` and `core/gemma.py`; each in its own module) says which checkpoints it claims,
+turns a checkpoint's configuration into a
 `ModelConfig`, reads its tensors and tokenizer, and maps the tensor names onto the model's
 parameters with a declarative list of `Rule`s, which `load` applies and `export` inverts. It
 registers itself with `register`: adding a family adds a module and a line in FAMILY_MODULES,
@@ -38,7 +39,7 @@ from core.config import Config, ModelConfig
 from core.errors import UserError
 
 # The modules that define (and register) the checkpoint families, imported on first use.
-FAMILY_MODULES = ("core.bert", "core.llama", "core.gemma")
+FAMILY_MODULES = ("core.bert", "core.hf_decoders", "core.llama", "core.gemma")
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,7 @@ ARCHITECTURE = (
     "global_every",
     "rope_local_base",
     "head_size",
+    "qkv_bias",
     "qk_norm",
     "embedding_scale",
     "causal",
@@ -296,17 +298,18 @@ class Rule:
 
     copy: the tensor itself; transpose: a linear weight [out, in] as a kernel [in, out];
     fuse: several linear weights' transposes (or biases) side by side along the output axis;
-    rows: the rows `offset` .. offset + (the parameter's rows) of a table.
+    rows: the rows `offset` .. offset + (the parameter's rows) of a table;
+    one_plus: 1 + the tensor (a norm weight w that its family applies as x * (1 + w): Gemma's).
     """
 
     target: str
     sources: tuple[str, ...]
-    kind: Literal["copy", "transpose", "fuse", "rows"] = "copy"
+    kind: Literal["copy", "transpose", "fuse", "rows", "one_plus"] = "copy"
     offset: int = 0
 
     def expected(self, shape: tuple[int, ...], available: Mapping[str, tuple[int, ...]]) -> list[tuple[str, str]]:
         """(source, the shape it must have) for each source whose shape does not fit `shape`."""
-        if self.kind == "copy":
+        if self.kind in ("copy", "one_plus"):
             wanted = [shape]
         elif self.kind == "transpose":
             wanted = [shape[::-1]]
@@ -324,6 +327,8 @@ class Rule:
         parts = [tensors[name] for name in self.sources]
         if self.kind == "copy":
             return parts[0]
+        if self.kind == "one_plus":
+            return 1 + parts[0]
         if self.kind == "transpose":
             return parts[0].T
         if self.kind == "rows":
@@ -334,6 +339,8 @@ class Rule:
         """The inverse of `join`: the checkpoint tensors (of `shapes`) this parameter holds."""
         if self.kind in ("copy", "rows"):
             return {self.sources[0]: value}
+        if self.kind == "one_plus":
+            return {self.sources[0]: value - 1}
         if self.kind == "transpose":
             return {self.sources[0]: value.T}
         edges = np.cumsum([shapes[name][0] for name in self.sources])[:-1]
@@ -351,8 +358,11 @@ class Report:
     unused: tuple[str, ...]
 
     def summary(self) -> str:
+        adapters = [path for path in self.new if path.endswith((".lora_a", ".lora_b"))]
+        new = [path for path in self.new if path not in adapters]
+        lora = f" and {len(adapters)} LoRA adapter matrices" if adapters else ""
         return (
-            f"Loaded {len(self.filled)} parameters from {self.source}; new: {', '.join(self.new) or 'none'}; "
+            f"Loaded {len(self.filled)} parameters from {self.source}; new: {', '.join(new) or 'none'}{lora}; "
             f"unused checkpoint tensors: {', '.join(self.unused) or 'none'}."
         )
 

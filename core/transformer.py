@@ -149,7 +149,9 @@ class Attention(nnx.Module):
         self.window, self.rope_base = config.window(layer), config.rope_base_of(layer)
         width = (config.num_heads + 2 * config.key_value_heads) * config.head_dim
         inner = config.num_heads * config.head_dim
-        self.qkv = Dense(config.d_model, width, bias=config.bias, **adapters(config, "qkv"), rngs=rngs)
+        self.qkv = Dense(
+            config.d_model, width, bias=config.bias or config.qkv_bias, **adapters(config, "qkv"), rngs=rngs
+        )
         self.out = Dense(inner, config.d_model, bias=config.bias, **adapters(config, "out"), rngs=rngs)
         if config.qk_norm:
             self.q_norm = Norm(config.head_dim, "rmsnorm", config.norm_epsilon)

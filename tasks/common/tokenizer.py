@@ -133,7 +133,11 @@ class PretrainedTokenizer:
         )
         self.bos_id = self._first_id(self.config.get("bos_token"))
         self.eos_id = self._first_id(self.config.get("eos_token"))
-        self.add_bos = bool(self.config.get("add_bos_token", False)) and self.bos_id is not None
+        add_bos = self.config.get("add_bos_token")
+        if add_bos is None and self.bos_id is not None:
+            # Not said (Llama 3's folders): what the tokenizer's post-processor does.
+            add_bos = self.tokenizer.encode("a").ids[:1] == [self.bos_id]
+        self.add_bos = bool(add_bos) and self.bos_id is not None
         self.chat_template: str | None = self.config.get("chat_template")
         self.stop_ids = tuple(
             dict.fromkeys([*self.config.get("stop_ids", []), *[self.eos_id] * (self.eos_id is not None)])
