@@ -342,6 +342,10 @@ def bench(
         ),
     ] = None,
     steps: Annotated[int, typer.Option(help="Timed train steps per config, after warm-up.")] = 10,
+    model: Annotated[
+        Optional[str],
+        typer.Option(help="A pretrained decoder (smollm2-135m-instruct, a .gguf file): its decode and finetune speed."),
+    ] = None,
     json_path: Annotated[
         Optional[Path], typer.Option("--json", help="Also write the figures to this JSON file.")
     ] = None,
@@ -351,7 +355,8 @@ def bench(
 
     from core import bench as bench_lib
 
-    results = bench_lib.main(configs or list(bench_lib.CONFIGS), steps, _console())
+    default = [] if model is not None else list(bench_lib.CONFIGS)
+    results = bench_lib.main(configs or default, steps, _console(), model)
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(results, indent=2) + "\n")

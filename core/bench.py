@@ -44,7 +44,7 @@ from core.errors import UserError
 from core.generate import generate
 from core.heads import TiedOutput, TokenEmbedder
 from core.task import Task
-from core.train import build_model, make_steps
+from core.train import build_model, cast_for_compute, make_steps
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,31 @@ class CausalLM(Task):
 
     def decode(self, projection, batch):
         return {}
+
+    # The steps are all a benchmark drives: no data, featurizer, scores or predictions.
+    def examples(self, split):
+        raise NotImplementedError
+
+    def fit_featurizer(self, train):
+        raise NotImplementedError
+
+    def load_featurizer(self, directory):
+        raise NotImplementedError
+
+    def score(self, predictions, examples, featurizer):
+        raise NotImplementedError
+
+    def baselines(self, train, test, featurizer):
+        raise NotImplementedError
+
+    def protocol(self):
+        raise NotImplementedError
+
+    def parse_inputs(self, lines, options):
+        raise NotImplementedError
+
+    def render(self, predictions, examples, featurizer):
+        raise NotImplementedError
 
 
 # Decoding: the train benchmark's small decoder, and one of GPT-2 small's shape (124M parameters).
@@ -220,15 +245,21 @@ def run_decode(run: DecodeRun) -> dict[str, float]:
     bench = DECODE_MODELS[run.model]
     config = bench_config(bench, 1)
     model = build_model(CausalLM(config=config, vocab_size=bench.vocab_size), None, config)
-    prompts = np.random.default_rng(0).integers(0, bench.vocab_size, (run.batch_size, PROMPT_TOKENS))
+    return time_generation(model, bench.vocab_size, run.batch_size, run.use_cache, run.calls)
+
+
+def time_generation(model, vocab_size: int, batch_size: int, use_cache: bool = True, calls: int = 3) -> dict:
+    """New tokens per second of greedy `generate` calls (64-token prompts, 128 new tokens)
+    after a warm-up call that compiles: the best call and the median."""
+    prompts = np.random.default_rng(0).integers(0, vocab_size, (batch_size, PROMPT_TOKENS))
 
     def call() -> tuple[float, int]:
         started = time.perf_counter()
-        result = generate(model, prompts, max_new_tokens=NEW_TOKENS, use_cache=run.use_cache)
+        result = generate(model, prompts, max_new_tokens=NEW_TOKENS, use_cache=use_cache)
         return time.perf_counter() - started, int(result.lengths.sum())
 
     first, _ = call()
-    times, counts = zip(*(call() for _ in range(run.calls)))
+    times, counts = zip(*(call() for _ in range(calls)))
     return {
         "params": sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))),
         "new_tokens": counts[0],
@@ -239,9 +270,19 @@ def run_decode(run: DecodeRun) -> dict[str, float]:
     }
 
 
-def main(names: list[str], steps: int, console: Console) -> dict[str, list[dict]]:
+def main(names: list[str], steps: int, console: Console, model: str | None = None) -> dict[str, list[dict]]:
     """Runs the named benchmarks: train configs (small, big), "decode" (every decode run) or
-    "decode-MODEL" (that model's decode runs); -> {"train": [...], "decode": [...]}."""
+    "decode-MODEL" (that model's decode runs); -> {"train": [...], "decode": [...]}. With a
+    pretrained `model`: "decode" and "finetune" (both by default) of that checkpoint."""
+    if model is not None:
+        unknown = [n for n in names if n not in ("decode", "finetune")]
+        if unknown:
+            raise UserError(f"Unknown benchmark {unknown} with --model; choose from decode, finetune.")
+        names = names or ["decode", "finetune"]
+        return {
+            "decode": pretrained_decode(model, console) if "decode" in names else [],
+            "finetune": pretrained_finetune(model, steps, console) if "finetune" in names else [],
+        }
     decode_names = ["decode", *(f"decode-{m}" for m in DECODE_MODELS)]
     unknown = [n for n in names if n not in CONFIGS and n not in decode_names]
     if unknown:
@@ -321,5 +362,99 @@ def train_table(names: list[str], steps: int, console: Console) -> list[dict]:
             f"{result['burst_flops'] / 1e9:.1f}",
             f"{result['mfu_burst']:.1%}",
         )
+    console.print(table)
+    return results
+
+
+# A pretrained decoder (`apps bench --model NAME`): its decoding at batch 1 and 8 with float32
+# and bfloat16 weights, and its fine-tuning step, every weight and LoRA, at 4 rows of 512 tokens.
+PRETRAINED_DECODE = ((1, "float32"), (8, "float32"), (1, "bfloat16"), (8, "bfloat16"))
+FINETUNE_BATCH, FINETUNE_LEN, LORA_RANK = 4, 512, 16
+
+
+def pretrained_config(name: str, max_len: int, lora_rank: int = 0) -> Config:
+    from core import pretrained
+
+    return Config(
+        task="bench",
+        preset="bench",
+        model=dataclasses.replace(pretrained.architecture(name, max_len=max_len), lora_rank=lora_rank),
+        optim=OptimConfig(warmup_steps=1),
+        train=TrainConfig(batch_size=FINETUNE_BATCH, steps=100),
+    )
+
+
+def pretrained_task(name: str, max_len: int, lora_rank: int = 0) -> CausalLM:
+    from core import pretrained
+
+    config = pretrained_config(name, max_len, lora_rank)
+    return CausalLM(config=config, vocab_size=pretrained.read_checkpoint(name).vocab_size)
+
+
+def pretrained_decode(name: str, console: Console) -> list[dict]:
+    task = pretrained_task(name, PROMPT_TOKENS + NEW_TOKENS)
+    model = build_model(task, None, task.config, from_pretrained=True)
+    table = Table(
+        title=f"{name}: greedy decoding, {PROMPT_TOKENS}-token prompts, {NEW_TOKENS} new tokens",
+        caption="new tok/s over the whole call, prefill included, best of 3 calls (median beside it); "
+        "bfloat16: the weights and the compute in bfloat16 (norms and softmax in float32).",
+    )
+    for column in ("weights", "batch", "new tok/s", "median", "call s", "compile s"):
+        table.add_column(column, justify="right")
+    results = []
+    for batch_size, dtype in PRETRAINED_DECODE:
+        graphdef, params = nnx.split(model)
+        result = time_generation(nnx.merge(graphdef, cast_for_compute(params, dtype)), task.vocab_size, batch_size)
+        results.append({"model": name, "batch_size": batch_size, "dtype": dtype, **result})
+        table.add_row(
+            dtype,
+            str(batch_size),
+            f"{result['new_tokens_per_s']:,.1f}",
+            f"{result['median_new_tokens_per_s']:,.1f}",
+            f"{result['call_s']:.2f}",
+            f"{result['compile_s']:.1f}",
+        )
+    console.print(table)
+    return results
+
+
+def pretrained_finetune(name: str, steps: int, console: Console) -> list[dict]:
+    table = Table(
+        title=f"{name}: a fine-tuning step (AdamW, float32), {FINETUNE_BATCH} rows of {FINETUNE_LEN} tokens",
+        caption="tok/s: training tokens a second, best of the timed steps (median beside it).",
+    )
+    for column in ("weights trained", "tok/s", "median", "ms/step", "compile s"):
+        table.add_column(column, justify="right")
+    results = []
+    # The rows divide over the devices (tests simulate 8).
+    rows = -(-FINETUNE_BATCH // jax.device_count()) * jax.device_count()
+    for rank in (0, LORA_RANK):
+        task = pretrained_task(name, FINETUNE_LEN, rank)
+        model = build_model(task, None, task.config, from_pretrained=True)
+        compiled = make_steps(task, model, task.config, task.config.train.steps)
+        tokens = np.random.default_rng(0).integers(0, task.vocab_size, (rows, FINETUNE_LEN + 1), np.int32)
+        batch = {
+            "inputs": tokens[:, :-1],
+            "targets": tokens[:, 1:],
+            "mask": np.ones((rows, FINETUNE_LEN), bool),
+            "weights": np.ones(rows, np.float32),
+        }
+        batch = jax.device_put(
+            batch, jax.sharding.NamedSharding(compiled.mesh, jax.sharding.PartitionSpec(("data", "fsdp")))
+        )
+        state, started = compiled.state, time.perf_counter()
+        state, logs = compiled.train_step(state, batch)
+        jax.block_until_ready(logs)
+        compile_s, times = time.perf_counter() - started, []
+        for _ in range(steps):
+            started = time.perf_counter()
+            state, logs = compiled.train_step(state, batch)
+            jax.block_until_ready(logs)
+            times.append(time.perf_counter() - started)
+        tokens_per_s = rows * FINETUNE_LEN / min(times)
+        median = rows * FINETUNE_LEN / float(np.median(times))
+        label = "all" if rank == 0 else f"LoRA r{rank}"
+        results.append({"model": name, "lora_rank": rank, "tokens_per_s": tokens_per_s, "median": median})
+        table.add_row(label, f"{tokens_per_s:,.0f}", f"{median:,.0f}", f"{min(times) * 1e3:,.0f}", f"{compile_s:.1f}")
     console.print(table)
     return results

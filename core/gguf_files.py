@@ -42,8 +42,10 @@ def reader(path: Path):
         raise UserError(f"{path} is not a readable GGUF file ({error}); copy or download it again.") from None
 
 
+@functools.cache
 def field(path: Path, key: str, default=None):
-    """The metadata value `key` of the file; a missing one is an error unless it has a default."""
+    """The metadata value `key` of the file (read once: a vocabulary is 262,144 strings); a
+    missing one is an error unless it has a default."""
     found = reader(path).fields.get(key)
     if found is None:
         if default is None:

@@ -100,7 +100,7 @@ def _chunks(x: jax.Array, chunk: int) -> jax.Array:
     return x.reshape(-1, chunk, *x.shape[1:])
 
 
-def _ce_chunk(h, weight, t, w, smoothing: float, with_grads: bool):
+def _ce_chunk(h, weight, t, w, smoothing: float, with_grads: bool, weight_grads: bool = True):
     logits = jnp.dot(h, weight.T.astype(h.dtype), preferred_element_type=jnp.float32)  # [K, V]
     V = logits.shape[-1]
     lse = jax.nn.logsumexp(logits, axis=-1)
@@ -112,7 +112,7 @@ def _ce_chunk(h, weight, t, w, smoothing: float, with_grads: bool):
     labels = (1 - smoothing) * jax.nn.one_hot(t, V) + smoothing / V
     grad_logits = (jnp.exp(logits - lse[:, None]) - labels) * w[:, None]
     grad_logits = grad_logits.astype(h.dtype)
-    return loss, grad_logits @ weight.astype(h.dtype), grad_logits.T @ h
+    return loss, grad_logits @ weight.astype(h.dtype), grad_logits.T @ h if weight_grads else None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
@@ -125,16 +125,25 @@ def _fused_ce(hidden, weight, targets, weights, smoothing, chunk):
 
 
 def _fused_ce_forward(hidden, weight, targets, weights, smoothing, chunk):
+    """The loss and its gradients, in one pass over the chunks. The weight's gradient is formed
+    only where the weight is being differentiated (`perturbed`): a frozen output layer (LoRA's
+    tied embedding) costs no [V, D] product per chunk."""
+    weight_grads = weight.perturbed
+    hidden, weight, targets, weights = (x.value for x in (hidden, weight, targets, weights))
+
     def body(carry, inputs):
         total, grad_weight = carry
-        loss, grad_hidden, grad_w = _ce_chunk(inputs[0], weight, inputs[1], inputs[2], smoothing, with_grads=True)
-        return (total + loss, grad_weight + grad_w.astype(jnp.float32)), grad_hidden
+        loss, grad_hidden, grad_w = _ce_chunk(
+            inputs[0], weight, inputs[1], inputs[2], smoothing, with_grads=True, weight_grads=weight_grads
+        )
+        grad_weight = grad_weight + grad_w.astype(jnp.float32) if weight_grads else grad_weight
+        return (total + loss, grad_weight), grad_hidden
 
     inputs = (_chunks(hidden, chunk), _chunks(targets, chunk), _chunks(weights, chunk))
-    init = (jnp.zeros((), jnp.float32), jnp.zeros(weight.shape, jnp.float32))
+    init = (jnp.zeros((), jnp.float32), jnp.zeros(weight.shape if weight_grads else (), jnp.float32))
     (total, grad_weight), grad_hidden = jax.lax.scan(body, init, inputs)
     grad_hidden = grad_hidden.reshape(-1, hidden.shape[-1])[: hidden.shape[0]]
-    return total, (grad_hidden, grad_weight.astype(weight.dtype), targets, weights)
+    return total, (grad_hidden, grad_weight.astype(weight.dtype) if weight_grads else None, targets, weights)
 
 
 def _fused_ce_backward(smoothing, chunk, residuals, cotangent):
@@ -143,13 +152,13 @@ def _fused_ce_backward(smoothing, chunk, residuals, cotangent):
     # float32 loss cotangent would otherwise promote them.
     return (
         (cotangent * grad_hidden).astype(grad_hidden.dtype),
-        (cotangent * grad_weight).astype(grad_weight.dtype),
+        None if grad_weight is None else (cotangent * grad_weight).astype(grad_weight.dtype),
         None,
         None,
     )
 
 
-_fused_ce.defvjp(_fused_ce_forward, _fused_ce_backward)
+_fused_ce.defvjp(_fused_ce_forward, _fused_ce_backward, symbolic_zeros=True)
 
 
 def ctc_loss(

@@ -1,0 +1,25 @@
+"""`apps bench` runs: the core's own decoders on random weights, and a pretrained decoder's decode
+and fine-tuning speed (the tiny GGUF of tests/tiny_gguf.py here)."""
+
+import json
+
+from conftest import apps
+from tiny_gguf import write_tiny_gguf
+
+from core import bench
+
+
+def test_decoding_on_random_weights_runs():
+    result = bench.run_decode(bench.DecodeRun("small", 1, True, calls=1))
+    assert result["new_tokens"] == bench.NEW_TOKENS and result["new_tokens_per_s"] > 0
+
+
+def test_a_pretrained_decoders_decode_and_finetune_speed(tmp_path):
+    tiny = write_tiny_gguf(tmp_path / "tiny.gguf")
+    result = apps("bench", "--model", tiny, "--steps", 1, "--json", tmp_path / "bench.json")
+    assert result.exit_code == 0, result.output
+    figures = json.loads((tmp_path / "bench.json").read_text())
+    assert [(r["batch_size"], r["dtype"]) for r in figures["decode"]] == list(bench.PRETRAINED_DECODE)
+    assert [r["lora_rank"] for r in figures["finetune"]] == [0, bench.LORA_RANK]
+    assert all(r["tokens_per_s"] > 0 for r in figures["finetune"])
+    assert "finetune" in apps("bench", "nonsense", "--model", tiny).output
