@@ -218,3 +218,12 @@ def test_fine_tuning_on_conversations_learns_the_answers(tiny, tmp_path):
     run.train(LMTask, workdir=workdir, preset="tiny", overrides=overrides, data=str(data))
     [answer] = LanguageModel(workdir).generate(["question 7"], chat=True, temperature=0, max_new_tokens=8)
     assert answer == "the theme"
+
+
+@pytest.mark.parametrize("keep", [0.01, 0.5, 0.999])
+def test_a_truncated_file_is_named(tiny, tmp_path, keep):
+    data = tiny.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: int(len(data) * keep)])
+    result = apps("predict", "lm", "--model", cut, "hi")
+    assert result.exit_code == 1 and f"{cut} is not a readable GGUF file" in plain(result.output)
