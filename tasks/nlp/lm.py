@@ -243,7 +243,7 @@ class LMTask(Task):
             split += f" (valid: each document's first {self.config.data.valid_chars} characters)"
         return {
             "dataset": self.data or self.default_data,
-            "protocol": f"{split}; documents as [start] pieces [EOS] packed into rows of {length}, "
+            "protocol": f"{split}; documents as start token, pieces, EOS, packed into rows of {length}, "
             "every piece and EOS predicted once; bits per character over the text plus one per document end",
         }
 
