@@ -96,7 +96,8 @@ def list_tasks() -> None:
         presets = ", ".join(f"{p}*" if p == task.default_preset else p for p in task.presets)
         table.add_row(name, task.summary, task.default_data, task.model_summary, ", ".join(task.metric_names), presets)
         for option in task.predict_options:
-            options.add_row(name, f"{option.flag} {option.type.__name__.upper()}", option.help)
+            value = "" if option.type is bool else f" {option.type.__name__.upper()}"  # a switch takes none
+            options.add_row(name, option.flag + value, option.help)
     _console().print(table)
     _console().print(options)
 
