@@ -42,12 +42,12 @@ class ModelConfig:
     positions: Literal["learned", "rotary"] = "learned"
     # The base of the rotary angles' frequencies (Llama 1e4; SmolLM2 1e5; Gemma 3's global layers 1e6).
     rope_base: float = 10_000.0
-    # Sliding-window attention (Gemma 3): with sliding_window W > 0, a query sees the W positions
-    # up to its own, except on every `global_every`-th layer (layers global_every - 1,
-    # 2 global_every - 1, ...), which see the whole prefix. `rope_local_base` is the rotary base
-    # of the sliding layers (None: rope_base).
+    # Sliding-window attention (Gemma 3) in a causal body: with sliding_window W > 0, a query sees
+    # the W positions up to its own, except on every `global_every`-th layer (layers
+    # global_every - 1, 2 global_every - 1, ...; 0: none), which see the whole prefix.
+    # `rope_local_base` is the rotary base of the sliding layers (None: rope_base).
     sliding_window: int = 0
-    global_every: int = 1
+    global_every: int = 0
     rope_local_base: float | None = None
     # Each head's size when it is not d_model / num_heads (Gemma 3 270M: 4 heads of 256 in d 640).
     head_size: int | None = None
@@ -105,7 +105,13 @@ class ModelConfig:
         else:
             require(self.head_size > 0, "model.head_size", self.head_size, "must be positive (or None)")
         require(self.sliding_window >= 0, "model.sliding_window", self.sliding_window, "must be >= 0 (0: none)")
-        require(self.global_every > 0, "model.global_every", self.global_every, "must be positive")
+        require(self.global_every >= 0, "model.global_every", self.global_every, "must be >= 0 (0: no global layers)")
+        require(
+            self.causal or not self.sliding_window,
+            "model.sliding_window",
+            self.sliding_window,
+            "needs a causal body (model.causal=True)",
+        )
         if self.decoder_layers is not None:
             require(self.decoder_layers > 0, "model.decoder_layers", self.decoder_layers, "must be positive (or None)")
         if self.num_kv_heads is not None:
@@ -167,7 +173,7 @@ class ModelConfig:
 
     def window(self, layer: int) -> int | None:
         """The attention window of block `layer` (None: the whole prefix)."""
-        if not self.sliding_window or (layer + 1) % self.global_every == 0:
+        if not self.sliding_window or (self.global_every and (layer + 1) % self.global_every == 0):
             return None
         return self.sliding_window
 

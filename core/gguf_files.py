@@ -31,9 +31,19 @@ from core.pretrained import Checkpoint, Family, Rule
 UNKNOWN, CONTROL, USER_DEFINED = 2, 3, 4  # tokenizer.ggml.token_type values
 
 
-@functools.cache
+def stamp(path: Path) -> tuple[int, int]:
+    """What the caches below are keyed by beside the path: a file replaced there is read anew."""
+    status = path.stat()
+    return status.st_size, status.st_mtime_ns
+
+
 def reader(path: Path):
     """A `gguf.GGUFReader` of the file (memory-mapped); its problems as `UserError`s."""
+    return _reader(path, stamp(path))
+
+
+@functools.cache
+def _reader(path: Path, stamp: tuple[int, int]):
     from gguf import GGUFReader
 
     try:
@@ -42,10 +52,14 @@ def reader(path: Path):
         raise UserError(f"{path} is not a readable GGUF file ({error}); copy or download it again.") from None
 
 
-@functools.cache
 def field(path: Path, key: str, default=None):
     """The metadata value `key` of the file (read once: a vocabulary is 262,144 strings); a
     missing one is an error unless it has a default."""
+    return _field(path, stamp(path), key, default)
+
+
+@functools.cache
+def _field(path: Path, stamp: tuple[int, int], key: str, default):
     found = reader(path).fields.get(key)
     if found is None:
         if default is None:
@@ -104,6 +118,11 @@ class GGUF(Family):
     def checkpoint(self, path: Path, name_or_path: str) -> Checkpoint:
         architecture = self.architecture(path)
         key = lambda name, default=None: field(path, f"{architecture.name}.{name}", default)  # noqa: E731
+        scaling = key("rope.scaling.type", "none")
+        if scaling != "none" and float(key("rope.scaling.factor", 1.0)) != 1.0:
+            raise UserError(
+                f"{path}: rotary scaling {scaling!r} is not supported; the core applies plain rotary angles."
+            )
         heads = int(key("attention.head_count"))
         vocab = int(key("vocab_size", len(field(path, "tokenizer.ggml.tokens"))))
         model = ModelConfig(
@@ -139,6 +158,8 @@ class GGUF(Family):
         return {tensor.name: numpy_shape(tensor) for tensor in reader(checkpoint.weights).tensors}
 
     def rules(self, checkpoint: Checkpoint, names: set[str]) -> list[Rule]:
+        if "rope_freqs.weight" in names:
+            raise UserError(f"{checkpoint.weights}: per-frequency rotary factors (rope_freqs) are not supported.")
         if "output.weight" in names:
             raise UserError(
                 f"{checkpoint.weights} has an output matrix of its own; the core reads GGUF decoders with a tied "

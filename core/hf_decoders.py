@@ -32,6 +32,19 @@ def _architecture(config: dict) -> str | None:
     return next((name for name in config.get("architectures") or () if name in ARCHITECTURES), None)
 
 
+def _plain_rotary(config: dict, path: Path) -> None:
+    """Refuses a folder whose rotary angles are scaled (Llama 3.1's "llama3", YaRN, linear ...)."""
+    parameters = config.get("rope_parameters") or {}
+    kinds = [parameters.get("rope_type")] + [p.get("rope_type") for p in parameters.values() if isinstance(p, dict)]
+    scaling = config.get("rope_scaling") or {}
+    kinds.append(scaling.get("rope_type") or scaling.get("type"))
+    unsupported = sorted({kind for kind in kinds if kind not in (None, "default")})
+    if unsupported:
+        raise UserError(
+            f"{path}: rotary scaling {', '.join(unsupported)} is not supported; the core applies plain angles."
+        )
+
+
 def _rope_base(config: dict, layer_type: str | None = None) -> float | None:
     """The rotary base of config.json, as transformers 4 (`rope_theta`, Gemma's
     `rope_local_base_freq`) or 5 (`rope_parameters`, per layer type where it has several) write it."""
@@ -67,6 +80,7 @@ class HFDecoder(Family):
         activation = raw.get("hidden_act") or raw.get("hidden_activation") or "silu"
         if ACTIVATIONS.get(activation) != mlp:
             raise UserError(f"{path}: {architecture} with hidden activation {activation!r} is not supported.")
+        _plain_rotary(raw, path)
         heads = raw["num_attention_heads"]
         fields: dict[str, Any] = {}
         if family == "gemma3_text":
@@ -110,8 +124,8 @@ class HFDecoder(Family):
             for i in range(raw["num_hidden_layers"])
         ]
         globals_ = [i for i, kind in enumerate(layer_types) if kind == "full_attention"]
-        every = globals_[0] + 1 if globals_ else len(layer_types) + 1
-        if [i for i in range(len(layer_types)) if (i + 1) % every == 0] != globals_:
+        every = globals_[0] + 1 if globals_ else 0
+        if every and [i for i in range(len(layer_types)) if (i + 1) % every == 0] != globals_:
             raise UserError(f"{path}: layer_types is not a repeating pattern of sliding layers then a global one.")
         return {
             "head_size": head,

@@ -148,6 +148,8 @@ def _fused_ce_forward(hidden, weight, targets, weights, smoothing, chunk):
 
 def _fused_ce_backward(smoothing, chunk, residuals, cotangent):
     grad_hidden, grad_weight, targets, weights = residuals
+    if isinstance(cotangent, jax.custom_derivatives.SymbolicZero):  # the loss itself unused
+        return None, None, None, None
     # A custom VJP must return cotangents in its inputs' dtypes (bf16 under bf16 compute); the
     # float32 loss cotangent would otherwise promote them.
     return (

@@ -328,7 +328,7 @@ class Rule:
         if self.kind == "copy":
             return parts[0]
         if self.kind == "one_plus":
-            return 1 + parts[0]
+            return 1 + parts[0].astype(np.float32)  # bf16 weights: 1 + w rounded in bf16 loses w's digits
         if self.kind == "transpose":
             return parts[0].T
         if self.kind == "rows":
@@ -340,7 +340,7 @@ class Rule:
         if self.kind in ("copy", "rows"):
             return {self.sources[0]: value}
         if self.kind == "one_plus":
-            return {self.sources[0]: value - 1}
+            return {self.sources[0]: value.astype(np.float32) - 1}
         if self.kind == "transpose":
             return {self.sources[0]: value.T}
         edges = np.cumsum([shapes[name][0] for name in self.sources])[:-1]

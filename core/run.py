@@ -170,18 +170,21 @@ def load(task_type: type, workdir: str | Path, data: str | None = None) -> Loade
     return Loaded(task, featurizer, steps, restored.value, restored.where)
 
 
-def load_pretrained(task_type: type, name: str, preset: str | None = None, data: str | None = None) -> Loaded:
+def load_pretrained(
+    task_type: type, name: str, preset: str | None = None, data: str | None = None, whole_context: bool = False
+) -> Loaded:
     """A pretrained checkpoint as a run never trained, for a task that predicts with one as it is
-    (`Task.zero_shot`): `preset` (default: the task's default preset over the checkpoint's whole
-    context) with `model.pretrained=name`, its weights, and the featurizer that the task fits on
-    no examples (the checkpoint's tokenizer)."""
+    (`Task.zero_shot`): `preset` (default: the task's default one) with `model.pretrained=name`,
+    its rows as long as the checkpoint's whole context with `whole_context` (for generation,
+    whose cache is sized by each request; scoring keeps the preset's rows), its weights, and the
+    featurizer that the task fits on no examples (the checkpoint's tokenizer)."""
     if not task_type.zero_shot:
         raise UserError(
             f"{task_type.name} predicts with a trained run (--workdir); --model serves the tasks that use a "
             "pretrained checkpoint as it is (lm)."
         )
     overrides = [f"model.pretrained={name!r}"]
-    if preset is None:
+    if whole_context:
         overrides.append(f"model.max_len={pretrained.read_checkpoint(name).model.max_len}")
     config = make_config(task_type, preset, overrides)
     task = task_type(config=config, data=data)
@@ -209,6 +212,11 @@ def evaluate(
             raise UserError("Evaluate a trained run (--workdir) or a pretrained checkpoint (--model).")
         loaded = load(task_type, workdir, data)
     else:
+        if workdir is not None and (Path(workdir) / "config.json").exists():
+            raise UserError(
+                f"{workdir} holds a trained run, whose eval_*.json a checkpoint's scores would replace: "
+                "give another --workdir."
+            )
         loaded = load_pretrained(task_type, model, preset, data)
     task, featurizer = loaded.task, loaded.featurizer
     examples = _examples(task, split)
@@ -247,7 +255,10 @@ class Predictor:
     ):
         if (workdir is None) == (model is None):
             raise UserError("A Predictor reads a trained run (workdir) or a pretrained checkpoint (model): give one.")
-        self.loaded = load(task_type, workdir, data) if model is None else load_pretrained(task_type, model, data=data)
+        if model is None:
+            self.loaded = load(task_type, workdir, data)
+        else:
+            self.loaded = load_pretrained(task_type, model, data=data, whole_context=True)
         self.task, self.featurizer = self.loaded.task, self.loaded.featurizer
         self.model = self.loaded.steps.model(self.loaded.params)
 

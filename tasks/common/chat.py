@@ -21,12 +21,20 @@ Message = dict[str, str]
 def read_messages(value, where: str) -> list[Message]:
     """A conversation from parsed JSON: a list of messages, or {"messages": [...]}; every
     problem named with `where` (a file and line, or "the request")."""
+    if isinstance(value, str):  # a CSV or TSV cell holds the conversation as JSON text
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise UserError(f"{where}: not valid JSON ({error.msg} at column {error.colno}).") from None
     if isinstance(value, dict) and "messages" in value:
         value = value["messages"]
     if not isinstance(value, list) or not value:
         raise UserError(f'{where}: a conversation is a non-empty list of messages, {{"role": ..., "content": ...}}.')
     messages = []
     for i, message in enumerate(value):
+        # A table's loader gives every message the keys any message has, None where it lacks them.
+        if isinstance(message, dict):
+            message = {key: value for key, value in message.items() if value is not None}
         if not isinstance(message, dict) or set(message) - {"role", "content"} or "role" not in message:
             raise UserError(f"{where}: message {i} is not an object with a role and a content: {message!r:.80}.")
         role, content = message["role"], message.get("content")
@@ -85,6 +93,11 @@ def render(
 ) -> str:
     """The conversation as the model reads it; with `generation_prompt`, up to where the
     assistant's answer begins."""
+    import jinja2
+
     if not template:
         raise UserError(f"{where} has no chat template: use plain prompts (without --chat).")
-    return _compiled(template).render(messages=list(messages), add_generation_prompt=generation_prompt, **special)
+    try:
+        return _compiled(template).render(messages=list(messages), add_generation_prompt=generation_prompt, **special)
+    except (jinja2.TemplateError, TypeError, IndexError, KeyError) as error:
+        raise UserError(f"The chat template of {where} fails on this conversation: {error}") from None

@@ -121,29 +121,39 @@ class PretrainedTokenizer:
         except Exception as error:  # tokenizers reports every malformed file as a plain Exception
             raise UserError(f"{where} is not a tokenizer.json that the tokenizers package reads: {error}") from None
         size = self.tokenizer.get_vocab_size(with_added_tokens=True)
-        if size != vocab_size:
+        # A table padded to a multiple of 64 rows (Qwen2's) holds a smaller tokenizer's ids.
+        if size != vocab_size and not (size < vocab_size and vocab_size % 64 == 0):
             raise UserError(
                 f"{where} has {size} tokens but the checkpoint's embedding table has {vocab_size} rows "
                 "(vocab_size in its config.json): the tokenizer belongs to another model."
             )
         self.text, self.vocab_size, self.config, self.where = text, vocab_size, dict(config or {}), where
+        if not isinstance(self.config.get("chat_template") or "", str):
+            raise UserError(f"{where}: chat_template is not one text (named templates are not supported).")
         padding = self.tokenizer.padding
-        self.pad_id = (
-            padding["pad_id"] if padding else self._first_id(self.config.get("pad_token"), "[PAD]", "<pad>") or 0
-        )
+        # Padding and truncation are this class's, per call; the file's own settings would fight them.
+        self.tokenizer.no_padding()
+        self.tokenizer.no_truncation()
+        self.pad_id = self._first_id(self.config.get("pad_token"), "[PAD]", "<pad>") or 0
+        if padding:
+            self.pad_id = padding["pad_id"]
         self.bos_id = self._first_id(self.config.get("bos_token"))
-        self.eos_id = self._first_id(self.config.get("eos_token"))
+        self._eos_id = self._first_id(self.config.get("eos_token"))
         add_bos = self.config.get("add_bos_token")
         if add_bos is None and self.bos_id is not None:
             # Not said (Llama 3's folders): what the tokenizer's post-processor does.
             add_bos = self.tokenizer.encode("a").ids[:1] == [self.bos_id]
         self.add_bos = bool(add_bos) and self.bos_id is not None
         self.chat_template: str | None = self.config.get("chat_template")
-        self.stop_ids = tuple(
-            dict.fromkeys([*self.config.get("stop_ids", []), *[self.eos_id] * (self.eos_id is not None)])
-        )
-        # Padding and truncation are this class's, per call; the file's own settings would fight them.
-        self.tokenizer.no_padding()
+        ends = [self._eos_id] if self._eos_id is not None else []
+        self.stop_ids = tuple(dict.fromkeys([*self.config.get("stop_ids", []), *ends]))
+
+    @property
+    def eos_id(self) -> int:
+        """The id that ends a text (and, with no BOS, separates documents)."""
+        if self._eos_id is None:
+            raise UserError(f"{self.where} names no EOS token (a checkpoint's tokenizer_config.json eos_token).")
+        return self._eos_id
 
     def _first_id(self, *tokens: str | None) -> int | None:
         ids = [self.tokenizer.token_to_id(token) for token in tokens if token]
@@ -171,10 +181,7 @@ class PretrainedTokenizer:
     def start_id(self) -> int:
         """The id a text begins with: BOS for a tokenizer that adds one, else EOS, the separator
         between the documents it was trained on (as GPT-2's <|endoftext|>)."""
-        start = self.bos_id if self.add_bos else self.eos_id
-        if start is None:
-            raise UserError(f"{self.where} names no BOS or EOS token (a checkpoint's tokenizer_config.json does).")
-        return start
+        return self.bos_id if self.add_bos else self.eos_id
 
     def encode(self, texts: Sequence[str], max_len: int) -> tuple[np.ndarray, np.ndarray]:
         """ids [N, max_len] (special tokens included, truncated to keep them, padded with the pad

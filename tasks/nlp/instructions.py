@@ -21,6 +21,7 @@ own (`segments`: attention stays within it and positions count from its start, c
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -29,7 +30,7 @@ import numpy as np
 from core.errors import UserError
 from tasks.common import chat, tables
 
-COLUMNS = ("messages", "prompt", "completion")
+log = logging.getLogger("apps")
 
 
 def is_instruction_table(spec: str | None) -> bool:
@@ -49,6 +50,8 @@ def read(spec: str) -> list[dict]:
             messages = chat.read_messages(value, f"{spec} row {row}")
             if not any(m["role"] == "assistant" for m in messages):
                 raise UserError(f"{spec} row {row}: the conversation has no assistant turn to learn from.")
+            if next(m["role"] for m in messages if m["role"] != "system") == "assistant":
+                raise UserError(f"{spec} row {row}: the conversation begins with the assistant; a user asks first.")
             examples.append({"messages": messages})
     else:
         for row, (prompt, completion) in enumerate(zip(table["prompt"], table["completion"]), 1):
@@ -118,6 +121,16 @@ def pack(examples: Sequence[tuple[list[int], list[bool]]], max_len: int, pad: in
     An example longer than a row keeps its first max_len + 1 ids."""
     rows: list[list[tuple]] = []
     room: list[int] = []
+    cut = sum(len(ids) > max_len + 1 for ids, _ in examples)
+    if cut:
+        log.warning(
+            "%d of %d examples are longer than a row (model.max_len=%d) and keep their first %d ids; bits per "
+            "character still count their whole answers.",
+            cut,
+            len(examples),
+            max_len,
+            max_len + 1,
+        )
     for ids, scored in examples:
         ids, scored = ids[: max_len + 1], scored[: max_len + 1]
         length = len(ids) - 1

@@ -200,7 +200,8 @@ class LMTask(Task):
             bool,
             False,
             "a chat model's answer: each prompt is a user message (or a line of JSON, a whole conversation: "
-            '[{"role": "user", "content": "..."}, ...]) wrapped in the chat template',
+            '[{"role": "user", "content": "..."}, ...]; a prompt that starts with [ or { is read so) wrapped in '
+            "the chat template",
         ),
         PredictOption("system", str, "", "with --chat: the system message (else the template's own, if any)"),
     )
