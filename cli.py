@@ -196,7 +196,7 @@ def predict(
     task_type = _task(task)
     if model is not None and workdir is not None:
         raise UserError("Give --workdir (a trained run) or --model (a pretrained checkpoint), not both.")
-    from core.task import switches
+    from core.task import SWITCH_VALUES, switches
 
     lines, options = _split_options(inputs or [], switches(task_type.predict_options))
     if not lines and sys.stdin is not None and not sys.stdin.isatty():
@@ -213,7 +213,8 @@ def predict(
 
     def write(text: str) -> None:
         if not shown:
-            typer.secho(lines[0], bold=True, nl=False)
+            # A chat's answer starts on a line of its own; a continuation follows its prompt.
+            typer.secho(lines[0], bold=True, nl=SWITCH_VALUES.get(options.get("--chat", "").lower(), False))
             shown.append(True)
         sys.stdout.write(text)
         sys.stdout.flush()
