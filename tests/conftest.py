@@ -52,3 +52,19 @@ def apps_log(caplog, monkeypatch):
     logger.addHandler(caplog.handler)
     yield caplog
     logger.removeHandler(caplog.handler)
+
+
+def pretrained_decoder(name_or_path: str):
+    """(checkpoint, model, load report) of a pretrained decoder: its token embedder, body and
+    tied output, filled from the checkpoint."""
+    from flax import nnx
+
+    from core import pretrained
+    from core.heads import TiedOutput, TokenEmbedder
+    from core.transformer import Model, Transformer
+
+    checkpoint = pretrained.read_checkpoint(name_or_path)
+    rngs = nnx.Rngs(0)
+    embedder = TokenEmbedder(checkpoint.vocab_size, checkpoint.model.d_model, rngs=rngs)
+    model = Model(embedder, Transformer(checkpoint.model, rngs=rngs), TiedOutput(embedder))
+    return checkpoint, model, pretrained.load(model, name_or_path)

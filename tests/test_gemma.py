@@ -9,11 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
+from conftest import pretrained_decoder
 
 from core import gemma, generate, pretrained
-from core.heads import TiedOutput, TokenEmbedder
-from core.transformer import Model, Transformer
 from tasks.common.tokenizer import PretrainedTokenizer
 
 NAME = "gemma3-270m"
@@ -26,12 +24,7 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def gemma3():
-    checkpoint = pretrained.read_checkpoint(NAME)
-    rngs = nnx.Rngs(0)
-    embedder = TokenEmbedder(checkpoint.vocab_size, checkpoint.model.d_model, rngs=rngs)
-    model = Model(embedder, Transformer(checkpoint.model, rngs=rngs), TiedOutput(embedder))
-    report = pretrained.load(model, NAME)
-    return checkpoint, model, report
+    return pretrained_decoder(NAME)
 
 
 def test_the_parts_are_joined_once_and_checked(gemma3, tmp_path, monkeypatch):

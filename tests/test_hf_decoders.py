@@ -8,13 +8,11 @@ import shutil
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
+from conftest import pretrained_decoder
 from tiny_gguf import write_tiny_gguf
 
 from core import pretrained
 from core.errors import UserError
-from core.heads import TiedOutput, TokenEmbedder
-from core.transformer import Model, Transformer
 from tasks.common.tokenizer import PretrainedTokenizer
 
 FIXTURES = "tests/fixtures/hf_decoders"
@@ -32,11 +30,7 @@ def folder(name: str, tmp_path) -> str:
 @pytest.mark.parametrize("name", ["llama", "qwen2", "gemma3"])
 def test_logits_match_transformers(name, tmp_path):
     path = folder(name, tmp_path)
-    checkpoint = pretrained.read_checkpoint(path)
-    rngs = nnx.Rngs(0)
-    embedder = TokenEmbedder(checkpoint.vocab_size, checkpoint.model.d_model, rngs=rngs)
-    model = Model(embedder, Transformer(checkpoint.model, rngs=rngs), TiedOutput(embedder))
-    report = pretrained.load(model, path)
+    checkpoint, model, report = pretrained_decoder(path)
     assert report.new == () and report.unused == ()
     reference = np.load(f"{FIXTURES}/{name}/reference.npz")
     ids = jnp.asarray(reference["ids"], jnp.int32)

@@ -8,12 +8,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import pretrained_decoder
 from flax import nnx
 
 from core import llama, pretrained
 from core.errors import UserError
-from core.heads import TiedOutput, TokenEmbedder
-from core.transformer import Model, Transformer
 from tasks.common.tokenizer import PretrainedTokenizer
 from tasks.nlp import corpus
 
@@ -62,12 +61,7 @@ def test_a_gguf_of_another_architecture(tmp_path):
 
 @pytest.fixture(scope="module")
 def smollm2():
-    checkpoint = pretrained.read_checkpoint(NAME)
-    rngs = nnx.Rngs(0)
-    embedder = TokenEmbedder(checkpoint.vocab_size, checkpoint.model.d_model, rngs=rngs)
-    model = Model(embedder, Transformer(checkpoint.model, rngs=rngs), TiedOutput(embedder))
-    report = pretrained.load(model, NAME)
-    return checkpoint, model, report
+    return pretrained_decoder(NAME)
 
 
 @needs_smollm2

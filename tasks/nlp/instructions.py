@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from core.errors import UserError
-from tasks.common import chat, tables
+from tasks.common import cache, chat, tables
 
 log = logging.getLogger("apps")
 
@@ -37,12 +37,23 @@ def is_instruction_table(spec: str | None) -> bool:
     """Whether `--data spec` is a local table with a messages column or prompt and completion columns."""
     if spec is None or not tables.is_table_file(spec) or Path(spec).suffix.lower() not in tables.FORMATS:
         return False
-    columns = set(tables.read_file(Path(spec)).column_names)
+    columns = _columns(spec)
     return "messages" in columns or {"prompt", "completion"} <= columns
 
 
+@cache.by_file
+def _columns(spec: str) -> set[str]:
+    return set(tables.read_file(Path(spec)).column_names)
+
+
 def read(spec: str) -> list[dict]:
-    """Every row of the table as an example: {"messages": [...]} or {"prompt", "completion"}."""
+    """Every row of the table as an example: {"messages": [...]} or {"prompt", "completion"};
+    read once per process while the file is unchanged (each split asks for it)."""
+    return [dict(example) for example in _read(spec)]
+
+
+@cache.by_file
+def _read(spec: str) -> list[dict]:
     table = tables.read_file(Path(spec))
     examples = []
     if "messages" in table.column_names:
