@@ -5,7 +5,7 @@ Written against the decode-step interface of `core.generate` (step(state, tokens
 encoder-decoder share it. The W beams of each row are a batch dimension: the state is repeated
 to B * W rows once, and after every step each beam's state (its key/value cache) is gathered
 from its parent's. One `jax.lax.while_loop` runs to `max_new_tokens`, or until no live beam can
-still beat the worst of a row's W finished ones.
+still beat the worst of a row's W finished ones (with `early_stopping`: until every row has W).
 
 A sequence scores (log P(y) + r |y|') / ((5 + |y|) / 6) ** alpha (Wu et al., 2016, "Google's
 neural machine translation system"), |y| counting the new tokens and its stop token, |y|' those
@@ -15,6 +15,7 @@ n-grams may be banned (`no_repeat_ngram`; see core/penalties.py).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -26,11 +27,13 @@ from core.errors import UserError
 
 
 class Beams(NamedTuple):
-    """tokens [B, W, M] (0 past each length), lengths [B, W] and scores [B, W], best first."""
+    """tokens [B, W, M] (0 past each length), lengths [B, W] and scores [B, W], best first; an
+    encoder-decoder's probed token's probability [B] (see `core.generate.Generation`), or None."""
 
     tokens: Any
     lengths: Any
     scores: Any
+    probe: Any = None
 
 
 def gnmt_penalty(length, alpha: float):
@@ -49,10 +52,13 @@ def beam_search(
     length_penalty: float = 0.6,
     no_repeat_ngram: int = 0,
     word_reward: float = 0.0,
+    early_stopping: bool = False,
 ) -> Beams:
     """The `beam_size` best continuations of each row, from `state` and the `logits` [B, V] for
     its first new token. A beam ends at its first stop token; beams still alive after
-    `max_new_tokens` compete with the finished ones as they are."""
+    `max_new_tokens` come after every ended one, filling the places that no ended beam took.
+    With `early_stopping` (Whisper's and CTranslate2's search) a row's output is its first W
+    ended beams; without, the search goes on while a live beam could still outscore one."""
     B, V = logits.shape
     W, M, alpha = beam_size, max_new_tokens, length_penalty
     if not 2 * W <= V:
@@ -70,12 +76,20 @@ def beam_search(
         offsets=(jnp.arange(B) * W)[:, None],
         no_repeat_ngram=no_repeat_ngram,
         word_reward=word_reward,
+        early_stopping=early_stopping,
     )
     carry = search.start(state, logits)
     index, (alive_tokens, alive_scores), finished, _, _ = jax.lax.while_loop(search.running, search.body, carry)
-    lengths = jnp.full((B, W), index, jnp.int32)
-    tokens, lengths, scores = _best(W, finished, (alive_tokens, lengths, alive_scores / gnmt_penalty(index, alpha)))
-    return Beams(tokens, lengths, scores)
+    # Beams cut at max_new_tokens only fill the places of a row that fewer than W ended beams
+    # took (as CTranslate2 and Whisper rank them): a cut beam is not a whole output, and one that
+    # loops ("... ... ...") at log-probabilities near 0 would otherwise outscore every ended one.
+    cut = (alive_tokens, jnp.full((B, W), index, jnp.int32), alive_scores / gnmt_penalty(index, alpha))
+    tokens, lengths, scores = (jnp.concatenate(parts, axis=1) for parts in zip(finished, cut))
+    ended = jnp.arange(2 * W)[None, :] < W
+    ranked = jnp.where(ended & jnp.isfinite(scores), 0, 1)  # ended first, then cut, then empty
+    order = jnp.lexsort((-scores, ranked), axis=-1)[:, :W]
+    pick = functools.partial(jnp.take_along_axis, indices=order, axis=1)
+    return Beams(jnp.take_along_axis(tokens, order[:, :, None], axis=1), pick(lengths), pick(scores))
 
 
 @dataclass(frozen=True, eq=False)
@@ -97,6 +111,7 @@ class _Search:
     offsets: jax.Array
     no_repeat_ngram: int
     word_reward: float
+    early_stopping: bool
 
     def start(self, state, logits):
         """The carry after the first new token, from the prompt's `state` and `logits` [B, V]."""
@@ -118,6 +133,8 @@ class _Search:
     def running(self, carry):
         M, alpha = self.max_new_tokens, self.alpha
         index, (_, alive_scores), (_, _, finished_scores) = carry[:3]
+        if self.early_stopping:
+            return (index < M) & ~jnp.all(jnp.isfinite(finished_scores[:, -1]))
         # Log-probabilities only fall, the word reward adds at most r per token left and the
         # penalty lies between its values now (what an alive beam scores if the loop stops
         # here) and at M: an upper bound.
@@ -146,6 +163,8 @@ class _Search:
         sequences = jax.lax.dynamic_update_slice(sequences, tokens[:, :, None], (0, 0, index))
         stopped = jnp.isin(tokens, self.stops)
         ended = jnp.where(stopped, scores / gnmt_penalty(index + 1, self.alpha), -jnp.inf)
+        if self.early_stopping:  # a row's first W ended beams are its output
+            ended = jnp.where(jnp.isfinite(finished[2][:, -1:]), -jnp.inf, ended)
         finished = _best(W, finished, (sequences, jnp.full((B, 2 * W), index + 1, jnp.int32), ended))
         alive_scores, order = jax.lax.top_k(jnp.where(stopped, -jnp.inf, scores), W)
         alive = (jnp.take_along_axis(sequences, order[:, :, None], axis=1), alive_scores)

@@ -39,7 +39,11 @@ class ModelConfig:
     # "gelu" is the tanh approximation; "gelu_exact" the erf form that BERT's checkpoints use;
     # "swiglu" (Llama) and "geglu" (Gemma: tanh GELU) gate the up projection.
     mlp: Literal["gelu", "gelu_exact", "swiglu", "geglu"] = "gelu"
-    positions: Literal["learned", "rotary"] = "learned"
+    # "sinusoidal" adds the fixed [sin | cos] table of Whisper's encoder (no parameters, any length).
+    positions: Literal["learned", "rotary", "sinusoidal"] = "learned"
+    # An encoder-decoder's encoder positions when they differ from the decoder's (Whisper: sinusoidal
+    # over the audio, learned over the text); None: `positions` for both stacks.
+    encoder_positions: Literal["learned", "rotary", "sinusoidal"] | None = None
     # The base of the rotary angles' frequencies (Llama 1e4; SmolLM2 1e5; Gemma 3's global layers 1e6).
     rope_base: float = 10_000.0
     # Sliding-window attention (Gemma 3) in a causal body: with sliding_window W > 0, a query sees
@@ -121,7 +125,7 @@ class ModelConfig:
                 self.num_kv_heads,
                 f"must be positive and divide model.num_heads={self.num_heads}",
             )
-        if self.positions == "rotary":
+        if "rotary" in (self.positions, self.encoder_positions):
             head_dim = self.head_dim
             require(
                 head_dim % 2 == 0,

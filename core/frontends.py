@@ -1,5 +1,9 @@
 """Front ends that shorten a sequence of frames before the body, returning the new mask.
 
+`WhisperStem` is Whisper's audio front end: two 1-D convolutions of width 3 over time (the
+mel bins are their input channels), the second with stride 2, each followed by exact GELU, so a
+position covers 20 ms; the encoder adds its positions after it.
+
 `ConvSubsampling` is the speech recognizers' convolutional front end (ESPnet's
 Conv2dSubsampling, Conformer's): stride-2 3x3 convolutions over (time, feature), each halving
 both axes, then a linear map of the flattened channels and features to the model width. Four
@@ -62,3 +66,19 @@ class ConvSubsampling(nnx.Module):
         B, T, F, C = x.shape
         x = x * mask[:, :, None, None].astype(dtype)
         return self.projection(x.reshape(B, T, F * C)).astype(dtype), mask
+
+
+class WhisperStem(nnx.Module):
+    """Frames [B, T, F] and their mask [B, T] -> vectors [B, ceil(T / 2), D] and their mask."""
+
+    def __init__(self, features: int, d_model: int, *, rngs: nnx.Rngs):
+        self.conv1 = nnx.Conv(features, d_model, kernel_size=(3,), padding=((1, 1),), rngs=rngs)
+        self.conv2 = nnx.Conv(d_model, d_model, kernel_size=(3,), strides=(2,), padding=((1, 1),), rngs=rngs)
+
+    def __call__(self, frames: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+        dtype = self.conv1.kernel.dtype
+        x = frames.astype(dtype) * mask[..., None].astype(dtype)
+        x = jax.nn.gelu(self.conv1(x), approximate=False) * mask[..., None].astype(dtype)
+        x = jax.nn.gelu(self.conv2(x), approximate=False)
+        kept = jnp.arange(x.shape[1])[None, :] < subsampled_lengths(mask.sum(-1), 1)[:, None]
+        return x.astype(dtype), kept

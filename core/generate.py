@@ -83,10 +83,12 @@ class Sampling:
 
 class Generation(NamedTuple):
     """New tokens [B, max_new_tokens] (0 past each row's length) and lengths [B], which count a
-    row's stop token when it produced one."""
+    row's stop token when it produced one; an encoder-decoder's probed token's probability [B]
+    (`core.encoder_decoder.Start.probe`), or None."""
 
     tokens: np.ndarray
     lengths: np.ndarray
+    probe: np.ndarray | None = None
 
 
 def filter_logits(logits: jax.Array, top_k: int | None, top_p: float | None) -> jax.Array:
@@ -263,6 +265,7 @@ class BeamSettings(NamedTuple):
     length_penalty: float
     no_repeat_ngram: int
     word_reward: float
+    early_stopping: bool
 
 
 def beam_settings(
@@ -272,6 +275,7 @@ def beam_settings(
     length_penalty: float,
     no_repeat_ngram: int = 0,
     word_reward: float = 0.0,
+    early_stopping: bool = False,
 ) -> BeamSettings:
     """`beam_search`'s settings, checked."""
     if beam_size < 1:
@@ -279,7 +283,13 @@ def beam_settings(
     penalties.check(no_repeat_ngram, word_reward)
     stops = tuple(int(t) for t in stop_tokens)
     return BeamSettings(
-        beam_size, max_new_tokens, stops, float(length_penalty), int(no_repeat_ngram), float(word_reward)
+        beam_size,
+        max_new_tokens,
+        stops,
+        float(length_penalty),
+        int(no_repeat_ngram),
+        float(word_reward),
+        bool(early_stopping),
     )
 
 

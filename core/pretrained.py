@@ -2,7 +2,8 @@
 
 A family (BERT/RoBERTa folders in `core/bert.py`, Llama/Qwen2/Gemma 3 folders in
 `core/hf_decoders.py`, GGUF files in `core/gguf_files.py`, whose architectures are
-`core/llama.py` and `core/gemma.py`; each in its own module) says which checkpoints it claims,
+`core/llama.py` and `core/gemma.py`, CTranslate2's Whisper folders in `core/whisper.py`; each in
+its own module) says which checkpoints it claims,
 turns a checkpoint's configuration into a
 `ModelConfig`, reads its tensors and tokenizer, and maps the tensor names onto the model's
 parameters with a declarative list of `Rule`s, which `load` applies and `export` inverts. It
@@ -24,6 +25,7 @@ import dataclasses
 import importlib
 import importlib.util
 import json
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +41,7 @@ from core.config import Config, ModelConfig
 from core.errors import UserError
 
 # The modules that define (and register) the checkpoint families, imported on first use.
-FAMILY_MODULES = ("core.bert", "core.hf_decoders", "core.llama", "core.gemma")
+FAMILY_MODULES = ("core.bert", "core.hf_decoders", "core.llama", "core.gemma", "core.whisper")
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,8 @@ ARCHITECTURE = (
     "norm",
     "mlp",
     "positions",
+    "encoder_positions",
+    "decoder_layers",
     "rope_base",
     "sliding_window",
     "global_every",
@@ -177,9 +181,10 @@ def families() -> dict[str, Family]:
 
 
 def folder_config(path: Path) -> dict | None:
-    """The parsed config.json of a Hugging Face checkpoint folder, None for anything else."""
+    """The parsed config.json of a Hugging Face checkpoint folder (config.json beside
+    model.safetensors), None for anything else."""
     config = path / "config.json"
-    if not path.is_dir() or not config.is_file():
+    if not path.is_dir() or not config.is_file() or not (path / "model.safetensors").is_file():
         return None
     try:
         return json.loads(config.read_text())
@@ -191,13 +196,6 @@ def resolve(name_or_path: str) -> Path:
     """The checkpoint that `name_or_path` names: a folder or a file on disk, or a shipped name."""
     path = Path(name_or_path).expanduser()
     if path.exists():
-        if path.is_dir():
-            missing = [name for name in ("config.json", "model.safetensors") if not (path / name).is_file()]
-            if missing:
-                raise UserError(
-                    f"{path} is not a Hugging Face checkpoint folder: it lacks {', '.join(missing)} "
-                    "(a folder with config.json, model.safetensors and tokenizer.json)."
-                )
         return path
     families()  # their shipped names
     key = name_or_path.lower().removeprefix("sentence-transformers/")
@@ -217,6 +215,11 @@ def resolve(name_or_path: str) -> Path:
     return resolve(str(shipped.assemble(folder) if shipped.assemble else folder / shipped.inside))
 
 
+def cache_folder() -> Path:
+    """Where checkpoints that ship in parts are put together: ~/.cache/apps (or XDG_CACHE_HOME's)."""
+    return Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "apps"
+
+
 def package_folder(package: str) -> Path | None:
     """The folder of an installed package, found without importing it (None: not installed)."""
     spec = importlib.util.find_spec(package)
@@ -232,6 +235,14 @@ def read_checkpoint(name_or_path: str) -> Checkpoint:
     for family in known.values():
         if family.claims(path):
             return family.checkpoint(path, name_or_path)
+    if path.is_dir():
+        missing = [name for name in ("config.json", "model.safetensors") if not (path / name).is_file()]
+        if missing:
+            raise UserError(
+                f"{path} is not a Hugging Face checkpoint folder: it lacks {', '.join(missing)} "
+                "(a folder with config.json, model.safetensors and tokenizer.json; or CTranslate2's "
+                "Whisper folder: model.bin, config.json, tokenizer.json)."
+            )
     config = folder_config(path)
     if config is not None:
         raise UserError(
@@ -299,12 +310,13 @@ class Rule:
     copy: the tensor itself; transpose: a linear weight [out, in] as a kernel [in, out];
     fuse: several linear weights' transposes (or biases) side by side along the output axis;
     rows: the rows `offset` .. offset + (the parameter's rows) of a table;
-    one_plus: 1 + the tensor (a norm weight w that its family applies as x * (1 + w): Gemma's).
+    one_plus: 1 + the tensor (a norm weight w that its family applies as x * (1 + w): Gemma's);
+    conv: a PyTorch convolution weight [out, in, width...] as a Flax kernel [width..., in, out].
     """
 
     target: str
     sources: tuple[str, ...]
-    kind: Literal["copy", "transpose", "fuse", "rows", "one_plus"] = "copy"
+    kind: Literal["copy", "transpose", "fuse", "rows", "one_plus", "conv"] = "copy"
     offset: int = 0
 
     def expected(self, shape: tuple[int, ...], available: Mapping[str, tuple[int, ...]]) -> list[tuple[str, str]]:
@@ -313,6 +325,8 @@ class Rule:
             wanted = [shape]
         elif self.kind == "transpose":
             wanted = [shape[::-1]]
+        elif self.kind == "conv":
+            wanted = [(shape[-1], shape[-2], *shape[:-2])]
         elif self.kind == "rows":
             rows = available[self.sources[0]][0] if len(available[self.sources[0]]) == 2 else 0
             wanted = [(max(rows, self.offset + shape[0]), *shape[1:])]
@@ -331,6 +345,8 @@ class Rule:
             return 1 + parts[0].astype(np.float32)  # bf16 weights: 1 + w rounded in bf16 loses w's digits
         if self.kind == "transpose":
             return parts[0].T
+        if self.kind == "conv":
+            return np.moveaxis(parts[0], (0, 1), (-1, -2))
         if self.kind == "rows":
             return parts[0][self.offset : self.offset + shape[0]]
         return np.concatenate([part.T for part in parts], axis=-1)
@@ -343,6 +359,8 @@ class Rule:
             return {self.sources[0]: value.astype(np.float32) - 1}
         if self.kind == "transpose":
             return {self.sources[0]: value.T}
+        if self.kind == "conv":
+            return {self.sources[0]: np.moveaxis(value, (-1, -2), (0, 1))}
         edges = np.cumsum([shapes[name][0] for name in self.sources])[:-1]
         return {name: part.T for name, part in zip(self.sources, np.split(value, edges, axis=-1))}
 

@@ -1,5 +1,8 @@
 """The shared Transformer body (Flax NNX) and the `Model` that joins a task's edges to it.
 
+Positions are learned (a table of max_len rows), rotary (applied to queries and keys) or
+sinusoidal (a fixed table added to the inputs, as Whisper's encoder has).
+
 Pre-norm blocks: x + Attention(Norm(x)), then x + MLP(Norm(x)), and a final norm; or, with
 `norm_position="post"` (BERT, for its checkpoints: core/pretrained.py), Norm(x + Attention(x)),
 then Norm(x + MLP(x)), and no final norm. Attention is
@@ -24,6 +27,7 @@ values of the memory once; they ride in the cache (`Cache.memory`) beside the de
 from __future__ import annotations
 
 import functools
+import math
 from typing import ClassVar
 
 import jax
@@ -62,6 +66,16 @@ class Norm(nnx.Module):
         if self.bias is not None:
             y = y + self.bias[...].reshape(shape)
         return y.astype(x.dtype)
+
+
+def sinusoids(positions: jax.Array, width: int) -> jax.Array:
+    """The fixed position table of Whisper's encoder (tensor2tensor's layout) at integer
+    `positions` [B, T] -> [B, T, width]: the sines of width / 2 frequencies, geometric from 1 down
+    to 1 / 10,000, then their cosines."""
+    half = width // 2
+    frequencies = jnp.exp(-math.log(10_000.0) / (half - 1) * jnp.arange(half, dtype=jnp.float32))
+    angle = positions[..., None].astype(jnp.float32) * frequencies[None, None, :]
+    return jnp.concatenate([jnp.sin(angle), jnp.cos(angle)], axis=-1)
 
 
 def rotary(x: jax.Array, positions: jax.Array, base: float = 10_000.0) -> jax.Array:
@@ -410,6 +424,8 @@ class Transformer(nnx.Module):
             x = x * jnp.asarray(self.config.d_model**0.5, x.dtype)
         if self.position_embedding is not None:
             x = x + self.position_embedding(positions).astype(x.dtype)
+        elif self.config.positions == "sinusoidal":
+            x = x + sinusoids(positions, x.shape[-1]).astype(x.dtype)
         if self.token_type_embedding is not None:
             if token_types is None:
                 token_types = jnp.zeros(positions.shape, jnp.int32)

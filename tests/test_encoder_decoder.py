@@ -19,6 +19,7 @@ from core.config import ModelConfig
 from core.encoder_decoder import (
     DecodeState,
     EncoderDecoder,
+    Start,
     encode_prefill,
     encoder_decoder_step,
     generate_beams_from_source,
@@ -30,6 +31,7 @@ from core.heads import CopyOutput, CopyProjection, TiedOutput, TokenEmbedder
 from core.transformer import Transformer
 
 VOCAB, BOS, EOS = 40, 1, 2
+START = Start((BOS,))
 SOURCES = [[5, 9, 12, 3, 30], [8, 8, 21, 4, 17, 26, 11, 19, 6], [33, 14]]
 
 
@@ -82,7 +84,7 @@ def teacher_forced(model, sources, targets, length=9, pad=7):
 
 
 jit_encode_prefill = nnx.jit(encode_prefill, static_argnums=(3, 4))
-jit_step = nnx.jit(encoder_decoder_step)
+jit_step = nnx.jit(encoder_decoder_step, static_argnums=3)
 
 
 @pytest.mark.parametrize(
@@ -101,7 +103,7 @@ def test_cached_decoding_equals_teacher_forcing(changes):
     targets = np.random.default_rng(0).integers(3, VOCAB, (3, 10)).astype(np.int32)
     full = teacher_forced(model, SOURCES, targets)
     tokens, mask = padded(SOURCES, 9)
-    logits, state = jit_encode_prefill(model, jnp.asarray(tokens), jnp.asarray(mask), BOS, 10)
+    logits, state, _ = jit_encode_prefill(model, jnp.asarray(tokens), jnp.asarray(mask), START, 10)
     for position in range(10):
         np.testing.assert_allclose(logits, full[:, position], atol=2e-5, rtol=1e-5)
         logits, state = jit_step(model, state, jnp.asarray(targets[:, position]))
@@ -110,6 +112,31 @@ def test_cached_decoding_equals_teacher_forcing(changes):
     assert len(state.cache.memory.layers) == len(model.decoder.blocks)
     assert (state.source is not None) == model.copies
     assert all(leaf.shape[0] == 3 for leaf in jax.tree.leaves(state))
+
+
+def test_a_prompt_prefills_at_once_with_its_suppressions_and_probe():
+    """Whisper's shape (sinusoidal encoder positions, learned decoder ones, biases, exact GELU)
+    and its start: a prompt of several tokens, ids suppressed always and at the first step, and
+    the probability of a token after the prompt's first one."""
+    model = encoder_decoder(encoder_positions="sinusoidal", bias=True, mlp="gelu_exact")
+    assert model.encoder.config.positions == "sinusoidal" and model.encoder.position_embedding is None
+    prompt = (BOS, 11, 12)
+    targets = np.random.default_rng(1).integers(3, VOCAB, (3, 8)).astype(np.int32)
+    # Teacher forcing over prompt + targets: position 0 reads BOS, position 2 the prompt's end.
+    full = teacher_forced(model, SOURCES, np.concatenate([np.tile(prompt[1:], (3, 1)), targets], axis=1))
+    start = Start(prompt, suppress=(4,), suppress_first=(5,), probe=6)
+    tokens, mask = padded(SOURCES, 9)
+    logits, state, probe = jit_encode_prefill(model, jnp.asarray(tokens), jnp.asarray(mask), start, 8)
+    np.testing.assert_allclose(probe, jax.nn.softmax(full[:, 0])[:, 6], rtol=1e-5)
+    expected = np.asarray(full[:, 2]).copy()
+    expected[:, [4, 5]] = -np.inf
+    np.testing.assert_allclose(logits, expected, atol=2e-5, rtol=1e-5)
+    for position in range(7):
+        logits, state = jit_step(model, state, jnp.asarray(targets[:, position]), (4,))
+        expected = np.asarray(full[:, 3 + position]).copy()
+        expected[:, 4] = -np.inf
+        np.testing.assert_allclose(logits, expected, atol=2e-5, rtol=1e-5)
+    np.testing.assert_array_equal(state.cache.lengths, [10, 10, 10])
 
 
 def test_the_copy_head_gives_source_tokens_their_attention():
@@ -183,18 +210,18 @@ def test_the_decoder_is_causal_over_targets(model):
 
 
 def test_greedy_is_the_argmax_of_teacher_forcing_and_beam_one_agrees(model):
-    greedy = generate_from_source(model, SOURCES, max_new_tokens=6, bos=BOS)
+    greedy = generate_from_source(model, SOURCES, max_new_tokens=6, start=START)
     np.testing.assert_array_equal(greedy.lengths, [6, 6, 6])
     full = teacher_forced(model, SOURCES, greedy.tokens)
     np.testing.assert_array_equal(np.argmax(full, -1), greedy.tokens)
-    beams = generate_beams_from_source(model, SOURCES, beam_size=1, max_new_tokens=6, bos=BOS)
+    beams = generate_beams_from_source(model, SOURCES, beam_size=1, max_new_tokens=6, start=START)
     np.testing.assert_array_equal(beams.tokens[:, 0], greedy.tokens)
 
 
 def test_beam_scores_are_the_models_and_at_least_greedys(model):
     alpha = 0.6
-    beams = generate_beams_from_source(model, SOURCES, beam_size=3, max_new_tokens=6, bos=BOS, length_penalty=alpha)
-    greedy = generate_from_source(model, SOURCES, max_new_tokens=6, bos=BOS).tokens
+    beams = generate_beams_from_source(model, SOURCES, beam_size=3, max_new_tokens=6, start=START, length_penalty=alpha)
+    greedy = generate_from_source(model, SOURCES, max_new_tokens=6, start=START).tokens
 
     def score(row, tokens):
         log_probs = jax.nn.log_softmax(teacher_forced(model, [SOURCES[row]], [tokens])[0], -1)
@@ -207,16 +234,16 @@ def test_beam_scores_are_the_models_and_at_least_greedys(model):
 
 def test_batched_sources_give_what_each_gives_alone(model):
     # A stop token that row 0 writes within its first four tokens.
-    stop = int(generate_from_source(model, SOURCES, max_new_tokens=6, bos=BOS).tokens[0, 3])
-    together = generate_from_source(model, SOURCES, max_new_tokens=6, bos=BOS, stop_tokens=[stop])
+    stop = int(generate_from_source(model, SOURCES, max_new_tokens=6, start=START).tokens[0, 3])
+    together = generate_from_source(model, SOURCES, max_new_tokens=6, start=START, stop_tokens=[stop])
     assert together.lengths[0] <= 4
     for row, source in enumerate(SOURCES):
-        alone = generate_from_source(model, [source], max_new_tokens=6, bos=BOS, stop_tokens=[stop])
+        alone = generate_from_source(model, [source], max_new_tokens=6, start=START, stop_tokens=[stop])
         np.testing.assert_array_equal(together.tokens[row], alone.tokens[0])
         assert together.lengths[row] == alone.lengths[0]
     # Beams too, for the shortest source, the one most padded in the batch.
-    beams = generate_beams_from_source(model, SOURCES, beam_size=3, max_new_tokens=6, bos=BOS)
-    alone = generate_beams_from_source(model, SOURCES[2:], beam_size=3, max_new_tokens=6, bos=BOS)
+    beams = generate_beams_from_source(model, SOURCES, beam_size=3, max_new_tokens=6, start=START)
+    alone = generate_beams_from_source(model, SOURCES[2:], beam_size=3, max_new_tokens=6, start=START)
     np.testing.assert_array_equal(beams.tokens[2], alone.tokens[0])
     np.testing.assert_allclose(beams.scores[2], alone.scores[0], atol=1e-5)
 
@@ -256,7 +283,7 @@ def test_a_tiny_model_learns_to_reverse_one_batch(copy):
         params, opt_state, value = train_step(params, opt_state, batch)
     assert float(value) < 0.05
     nnx.update(model, params)
-    result = generate_from_source(model, sources, max_new_tokens=7, bos=BOS, stop_tokens=[EOS])
+    result = generate_from_source(model, sources, max_new_tokens=7, start=START, stop_tokens=[EOS])
     for row, target in enumerate(targets):
         assert list(result.tokens[row, : result.lengths[row]]) == target
     assert time.perf_counter() - start < 20
@@ -311,11 +338,11 @@ def test_the_stacks_and_their_settings_are_checked():
     with pytest.raises(ValueError, match="encoder without cross-attention"):
         EncoderDecoder(model.source_embedder, causal, model.target_embedder, causal, model.head)
     with pytest.raises(UserError, match="exceeds the decoder's max_len=16"):
-        generate_from_source(model, SOURCES, max_new_tokens=17, bos=BOS)
+        generate_from_source(model, SOURCES, max_new_tokens=17, start=START)
     with pytest.raises(UserError, match="at least one position"):
-        generate_from_source(model, [[]], max_new_tokens=2, bos=BOS)
+        generate_from_source(model, [[]], max_new_tokens=2, start=START)
     with pytest.raises(UserError, match="exceed the encoder's max_len=16"):
-        generate_from_source(model, [list(range(3, 20))], max_new_tokens=2, bos=BOS)
+        generate_from_source(model, [list(range(3, 20))], max_new_tokens=2, start=START)
     # Feature sources [S, F] pad on their first axis.
     features, mask = prepare_sources(model, [np.ones((3, 5), np.float32), np.ones((1, 5), np.float32)], 2)
     assert features.shape == (2, 3, 5) and features.dtype == np.float32

