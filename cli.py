@@ -164,7 +164,9 @@ def evaluate(
         workdir = workdir or Path("runs") / task
     result = run.evaluate(task_type, workdir, split=split, data=data, model=model, preset=preset)
     # Generated text scored per decoding (greedy, beam), then the baselines: one column each.
-    columns = {name: result.pop(name) for name in task_type.evaluated_decodings}
+    columns = {
+        name: result.pop(name) for name in list(result) if name != "baselines" and isinstance(result[name], dict)
+    }
     columns.update(result.pop("baselines", {}))
     title = f"{task} on {split} ({result.pop('checkpoint')}): {result.pop('dataset')}; {result.pop('protocol')}"
     _print_metrics(title, result, columns)

@@ -186,7 +186,9 @@ def load_pretrained(
     overrides = [f"model.pretrained={name!r}"]
     if whole_context:
         overrides.append(f"model.max_len={pretrained.read_checkpoint(name).model.max_len}")
-    config = make_config(task_type, preset, overrides)
+    # By default the preset made for this checkpoint, if the task has one (speech's whisper-tiny).
+    made_for = [key for key, make in task_type.presets.items() if make().model.pretrained == name]
+    config = make_config(task_type, preset or next(iter(made_for), None), overrides)
     task = task_type(config=config, data=data)
     featurizer = task.fit_featurizer([])
     model = build_model(task, featurizer, config, from_pretrained=True)

@@ -145,6 +145,30 @@ class WhisperFamily(Family):
         variables = read(checkpoint.directory).variables
         return {name: value for name, value in variables.items() if value.ndim and name not in skipped}
 
+    def tokenizer_json(self, checkpoint: Checkpoint) -> str:
+        """The folder's tokenizer.json, with Whisper's 1,501 timestamp tokens (<|0.00|> ..
+        <|30.00|>, after <|notimestamps|>) added as special tokens where it lacks them, as
+        faster-whisper's copies do: the output table has a row for each."""
+        tokenizer = json.loads(super().tokenizer_json(checkpoint))
+        added = tokenizer.setdefault("added_tokens", [])
+        ids = {token["content"]: token["id"] for token in added}
+        if "<|0.00|>" not in ids and "<|notimestamps|>" in ids:
+            first = ids["<|notimestamps|>"] + 1
+            for step in range(checkpoint.vocab_size - first):
+                content = f"<|{step * 0.02:.2f}|>"
+                added.append(
+                    {
+                        "id": first + step,
+                        "content": content,
+                        "single_word": False,
+                        "lstrip": False,
+                        "rstrip": False,
+                        "normalized": False,
+                        "special": True,
+                    }
+                )
+        return json.dumps(tokenizer)
+
     def rules(self, checkpoint: Checkpoint, names: set[str]) -> list[Rule]:
         def norm(target: str, source: str) -> list[Rule]:
             return [Rule(f"{target}.scale", (f"{source}/gamma",)), Rule(f"{target}.bias", (f"{source}/beta",))]

@@ -15,6 +15,7 @@ from flax import nnx
 from core import ctranslate2_files, pretrained, whisper
 from core.encoder_decoder import Start, encode_prefill, generate_beams_from_source, generate_from_source
 from core.errors import UserError
+from tasks.speech import whisper as speech_whisper
 from tasks.speech.audio import load_audio, whisper_log_mel
 
 FIXTURES = Path(__file__).parent / "fixtures" / "whisper"
@@ -146,3 +147,45 @@ def test_a_whisper_folder_of_an_unknown_revision_is_refused(tmp_path):
     write_model(tmp_path / "model.bin", {"encoder/conv1/weight": np.zeros((4, 2, 3))}, revision=9)
     with pytest.raises(UserError, match="WhisperSpec revision 9; this suite reads revisions 1, 2, 3"):
         pretrained.read_checkpoint(str(tmp_path))
+
+
+def test_long_audio_is_cut_at_quiet_moments_covering_every_sample_once():
+    rate = 16_000
+    rng = np.random.default_rng(0)
+    samples = (0.3 * rng.standard_normal(70 * rate)).astype(np.float32)
+    samples[int(27.5 * rate) : int(27.8 * rate)] = 0.0  # a pause in the first window's last 5 s
+    windows = speech_whisper.cut_windows(samples)
+    assert windows[0].start == 0 and windows[-1].stop == len(samples)
+    assert all(a.stop == b.start for a, b in zip(windows, windows[1:]))  # contiguous: each sample once
+    assert all(0 < w.stop - w.start <= 30 * rate for w in windows)
+    assert int(27.5 * rate) <= windows[0].stop <= int(27.8 * rate) - rate // 10  # inside the pause
+    assert speech_whisper.cut_windows(samples[: 5 * rate]) == [slice(0, 5 * rate)]
+
+
+def test_the_featurizer_teaches_the_transcript_after_the_prompt():
+    from tasks.speech.asr import whisper_tiny
+
+    featurizer = speech_whisper.WhisperFeaturizer.from_checkpoint(installed("whisper-tiny.en"), whisper_tiny().data)
+    samples = load_audio(FIXTURES / "clip_fox.wav")
+    batch = featurizer([{"id": None, "audio": samples, "where": "fox", "text": "the quick fox"}])
+    text = featurizer.tokenizer.pieces([" the quick fox"])[0]
+    ids = [50257, 50362, *text, 50256]  # start, no-timestamps, the text, end
+    np.testing.assert_array_equal(batch["decoder_inputs"][0], ids[:-1])
+    np.testing.assert_array_equal(batch["targets"][0], ids[1:])
+    # Scored: what follows the prompt's last token (the text and its end), not the prompt itself.
+    np.testing.assert_array_equal(batch["target_mask"][0], [False] + [True] * (len(ids) - 2))
+    assert batch["inputs"].shape == (1, 3000, 80) and batch["mask"].all()
+    assert featurizer.decode([*text, 50256, 0, 0]) == "the quick fox"
+
+
+def test_transcriber_reads_files_and_arrays_alike():
+    from tasks.speech.asr import Transcriber
+
+    transcriber = Transcriber(model=installed("whisper-tiny.en"))
+    path = FIXTURES / "clip_callback.wav"
+    texts = transcriber.transcribe([path, load_audio(path)], beam_width=1)
+    assert texts == ["Please call me back at 5.30"] * 2
+    scored = transcriber.task.score_generated(
+        {"text": texts[:1]}, [{"text": "please call me back at five thirty"}], None
+    )
+    assert scored["wer"] == pytest.approx(100 * 2 / 7)  # "five three zero" against "five thirty": 1 sub, 1 ins

@@ -32,16 +32,19 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from core import ctc, losses
+from core import ctc, losses, pretrained
+from core import whisper as core_whisper
 from core.config import Config, DataConfig, ModelConfig, OptimConfig, TrainConfig, require, tiny_body, tiny_preset
 from core.data import decoding_batches
 from core.errors import UserError
 from core.frontends import ConvSubsampling
+from core.heads import Projection
 from core.run import Predictor
-from core.task import PredictOption, Task, final
+from core.task import PredictOption, Task, final, scored_positions
 from tasks.speech import corpus
 from tasks.speech.featurizer import SpeechFeaturizer, fit_featurizer
 from tasks.speech.scoring import NORMALIZATION, grouped_error_rates
+from tasks.speech.whisper import WhisperFeaturizer, transcribe
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,6 +71,12 @@ class SpeechData(DataConfig):
     # --data manifests: the columns of the audio path and of the transcript.
     audio_column: str = "audio"
     text_column: str = "text"
+    # Whisper (tasks/speech/whisper.py): the language of the speech and the task of the prompt
+    # (transcribe, or translate into English; a multilingual checkpoint's), and the checkpoint
+    # whose tokenizer a Whisper-shaped model built from scratch writes with.
+    language: str = "en"
+    whisper_task: Literal["transcribe", "translate"] = "transcribe"
+    whisper_tokenizer: str = "whisper-tiny.en"
 
     def __post_init__(self):
         require(self.max_seconds > 0, "data.max_seconds", self.max_seconds, "must be positive")
@@ -109,6 +118,28 @@ def digits() -> Config:
     )
 
 
+def whisper_preset(name: str, checkpoint: str, batch_size: int, learning_rate: float) -> Config:
+    """Fine-tuning a shipped Whisper checkpoint (its architecture comes from the file)."""
+    return Config(
+        task="speech",
+        preset=name,
+        model=ModelConfig(pretrained=checkpoint, max_len=448, dropout=0.0),
+        optim=OptimConfig(learning_rate=learning_rate, warmup_steps=50, weight_decay=0.01),
+        train=TrainConfig(
+            batch_size=batch_size, eval_batch_size=16, steps=400, eval_every=100, checkpoint_every=100, log_every=10
+        ),
+        data=SpeechData(max_seconds=30.0),
+    )
+
+
+def whisper_tiny() -> Config:
+    return whisper_preset("whisper-tiny", "whisper-tiny.en", batch_size=16, learning_rate=1e-5)
+
+
+def whisper_base() -> Config:
+    return whisper_preset("whisper-base", "whisper-base", batch_size=8, learning_rate=1e-5)
+
+
 class CTCOutputs(NamedTuple):
     """Per-position logits [B, T', V] (float32) and the front end's mask [B, T']."""
 
@@ -134,23 +165,49 @@ class SpeechTask(Task):
     metric_names: ClassVar[tuple[str, ...]] = ("wer", "cer")
     best_metric: ClassVar[str] = "wer"
     lower_is_better: ClassVar[bool] = True
-    presets: ClassVar[dict] = {"tiny": tiny, "base": base, "digits": digits}
+    presets: ClassVar[dict] = {
+        "tiny": tiny,
+        "base": base,
+        "digits": digits,
+        "whisper-tiny": whisper_tiny,
+        "whisper-base": whisper_base,
+    }
     default_preset: ClassVar[str] = "base"
     data_type: ClassVar[type] = SpeechData
     # Clips run from under a second to many: batches of similar lengths, cut to a bucket width.
     trim: ClassVar[dict[str, tuple[str, ...]]] = {"mask": ("inputs", "targets", "target_mask")}
     generates: ClassVar[bool] = True
     predict_options: ClassVar[tuple[PredictOption, ...]] = (
-        PredictOption("beam_width", int, 8, "CTC prefix beam search with this many beams (1: greedy)"),
+        PredictOption(
+            "beam_width", int, 8, "beam search with this many beams (1: greedy); CTC prefix search, or Whisper's"
+        ),
     )
-    evaluated_decodings: ClassVar[dict[str, dict[str, Any]]] = {"beam": {"beam_width": 8}}
+    # A Whisper checkpoint transcribes as it is (apps predict speech --model whisper-tiny.en).
+    zero_shot: ClassVar[bool] = True
 
     config: Config
     data: str | None = None
 
     def __post_init__(self):
         smoothing = self.config.optim.label_smoothing
-        require(smoothing == 0, "optim.label_smoothing", smoothing, "must be 0: the CTC loss has no label smoothing")
+        if not self.whisper:
+            require(
+                smoothing == 0, "optim.label_smoothing", smoothing, "must be 0: the CTC loss has no label smoothing"
+            )
+
+    @property
+    def whisper(self) -> bool:
+        """Whether the model is Whisper's encoder-decoder (tasks/speech/whisper.py): a Whisper
+        checkpoint's architecture, or one built in its shape (`model.decoder_layers` set),
+        rather than the CTC encoder."""
+        return self.config.model.decoder_layers is not None
+
+    @property
+    def evaluated_decodings(self) -> dict[str, dict[str, Any]]:
+        """CTC scores its greedy paths on the device (`score`); Whisper generates both."""
+        if self.whisper:
+            return {"greedy": {"beam_width": 1}, "beam": {"beam_width": 5}}
+        return {"beam": {"beam_width": 8}}
 
     def examples(self, split: str) -> list[dict]:
         if self.data is None:
@@ -175,11 +232,22 @@ class SpeechTask(Task):
             ),
         }
 
-    def fit_featurizer(self, train: Sequence[dict]) -> SpeechFeaturizer:
+    def fit_featurizer(self, train: Sequence[dict]) -> SpeechFeaturizer | WhisperFeaturizer:
+        if self.whisper:
+            checkpoint = self.config.model.pretrained or self.config.data.whisper_tokenizer
+            return WhisperFeaturizer.from_checkpoint(checkpoint, self.config.data)
         return fit_featurizer(train, self.config.data)
 
-    def load_featurizer(self, directory: Path) -> SpeechFeaturizer:
+    def load_featurizer(self, directory: Path) -> SpeechFeaturizer | WhisperFeaturizer:
+        if self.whisper:
+            return self.fit_featurizer([])
         return SpeechFeaturizer.load(directory, self.config.data)
+
+    def model(self, featurizer, config: Config, rngs: nnx.Rngs) -> nnx.Module:
+        if self.whisper:
+            vocab_size = pretrained.read_checkpoint(featurizer.checkpoint).vocab_size
+            return core_whisper.build(config.model, featurizer.mel_bins, vocab_size, rngs)
+        return super().model(featurizer, config, rngs)
 
     def embedder(self, featurizer: SpeechFeaturizer, rngs: nnx.Rngs) -> nnx.Module:
         options = self.config.data
@@ -194,19 +262,34 @@ class SpeechTask(Task):
     def head(self, featurizer: SpeechFeaturizer, embedder: nnx.Module, rngs: nnx.Rngs) -> nnx.Module:
         return CTCHead(self.config.model.d_model, featurizer.vocab_size, rngs=rngs)
 
-    def loss(self, outputs: CTCOutputs, batch: dict):
+    def loss(self, outputs: CTCOutputs | Projection, batch: dict):
+        if self.whisper:
+            smoothing = self.config.optim.label_smoothing
+            return losses.linear_cross_entropy(
+                outputs.hidden, outputs.weight, batch["targets"], scored_positions(batch), smoothing
+            )
         return losses.ctc_loss(outputs.logits, outputs.mask, batch["targets"], batch["target_mask"], batch["weights"])
 
-    def metrics(self, outputs: CTCOutputs, batch: dict):
+    def metrics(self, outputs: CTCOutputs | Projection, batch: dict):
+        if self.whisper:
+            return {
+                "nll": losses.linear_cross_entropy(
+                    outputs.hidden, outputs.weight, batch["targets"], scored_positions(batch)
+                )
+            }
         total, _ = self.loss(outputs, batch)
         labels = (batch["target_mask"].sum(-1) * batch["weights"]).sum()
         return {"loss_per_label": (total, labels.astype(jnp.float32))}
 
-    def decode(self, outputs: CTCOutputs, batch: dict) -> dict[str, jax.Array]:
+    def decode(self, outputs: CTCOutputs | Projection, batch: dict) -> dict[str, jax.Array]:
+        if self.whisper:
+            return {}  # transcripts are generated (`generate`), not read off the teacher-forced pass
         # The best path's ids; merged and stripped of blanks on the host (`score`).
         return {"path": outputs.logits.argmax(-1).astype(jnp.int32), "length": outputs.mask.sum(-1)}
 
     def score(self, predictions, examples: Sequence[dict], featurizer: SpeechFeaturizer) -> dict[str, float]:
+        if self.whisper:
+            return {}
         texts = [
             featurizer.decode(ctc.collapse(path[:length]))
             for path, length in zip(predictions["path"], predictions["length"])
@@ -257,6 +340,11 @@ class SpeechTask(Task):
         width = options["beam_width"]
         if width < 1:
             raise UserError(f"--beam-width {width}: must be at least 1 (1 is greedy).")
+        if self.whisper:
+            texts, _ = transcribe(model, featurizer, examples, width, self.config.train.eval_batch_size)
+            if on_text is not None and texts:
+                on_text("  " + texts[0])
+            return {"text": texts}
         arrays = featurizer(examples)
         graphdef, state = nnx.split(model)
         forward = _forward(graphdef)
@@ -310,15 +398,24 @@ def _forward(graphdef):
 
 
 class Transcriber(Predictor):
-    """A trained speech workdir loaded once, for Python prototypes:
+    """A trained speech workdir, or a Whisper checkpoint as it is, loaded once, for Python
+    prototypes:
 
     from tasks.speech.asr import Transcriber
     Transcriber("runs/speech").transcribe(["a.wav", "b.flac"], beam_width=8)  # [transcript]
+    Transcriber(model="whisper-tiny.en").transcribe([samples_16khz, "c.wav"], beam_width=1)
     """
 
-    def __init__(self, workdir: str | Path):
-        super().__init__(SpeechTask, workdir)
+    def __init__(self, workdir: str | Path | None = None, *, model: str | None = None):
+        super().__init__(SpeechTask, workdir, model=model)
 
-    def transcribe(self, paths: Sequence[str | Path], beam_width: int = 8) -> list[str]:
-        """The transcript of each audio file."""
-        return self.outputs([str(p) for p in paths], beam_width=beam_width)[1]["text"]
+    def transcribe(self, clips: Sequence[str | Path | np.ndarray], beam_width: int = 8) -> list[str]:
+        """The transcript of each clip: an audio file, or float samples in [-1, 1] at 16 kHz."""
+        examples = [
+            {"id": None, "audio": None, "path": str(c), "text": "", "voice": None}
+            if isinstance(c, (str, Path))
+            else {"id": None, "audio": np.asarray(c, np.float32), "where": f"clip {i}", "text": "", "voice": None}
+            for i, c in enumerate(clips, 1)
+        ]
+        options = self.options({"beam_width": beam_width})
+        return self.task.generate(self.model, self.featurizer, examples, options)["text"]

@@ -33,7 +33,7 @@ import numpy as np
 
 from tasks.common.splits import hash_split
 from tasks.speech import audio as audio_lib
-from tasks.speech.scoring import normalize
+from tasks.speech.scoring import DIGITS, normalize
 
 # Part of the cache key: raise it whenever the planning or rendering code changes what it makes.
 CORPUS_VERSION = 1
@@ -60,7 +60,6 @@ SIZES = {
     # Small enough to render in a second or two, for tests (never cached on disk).
     "synthetic": {"train": 64, "valid": 16, "test": 16},
 }
-DIGITS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 SENTENCE_WORDS = (3, 15)
 # Sentences spoken as written: letters, spaces and plain punctuation (no digits or symbols that
 # eSpeak would read out differently from their spelling).

@@ -3,9 +3,10 @@ off-the-shelf recognizer scored beside the model: pocketsphinx 5 with the US Eng
 model, dictionary and language model that its wheel ships (nothing trained here).
 
 Normalization (`normalize`), applied to references and hypotheses alike and to the transcripts
-the model learns: lower case; hyphens, slashes and underscores become spaces; every other
-punctuation mark is dropped, except apostrophes inside words ("don't"); runs of white space
-become one space.
+the model learns: lower case; each digit becomes its word, one by one ("371" and "3 7 1" both
+read "three seven one", as the digit corpus speaks them; Whisper writes digits); hyphens,
+slashes and underscores become spaces; every other punctuation mark is dropped, except
+apostrophes inside words ("don't"); runs of white space become one space.
 """
 
 from __future__ import annotations
@@ -17,13 +18,19 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-NORMALIZATION = "lowercase; punctuation dropped (hyphens and slashes as spaces, apostrophes inside words kept)"
+NORMALIZATION = (
+    "lowercase; digits spelled one by one; punctuation dropped (hyphens and slashes as spaces, apostrophes inside "
+    "words kept)"
+)
+DIGITS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+_DIGIT = re.compile(r"[0-9]")
 _SPACERS = re.compile(r"[-/_\u2010-\u2015]")
 _QUOTE_EDGES = re.compile(r"(^|\s)'+|'+(?=\s|$)")
 
 
 def normalize(text: str) -> str:
     """`text` as the metrics and the model's vocabulary read it (see the module docstring)."""
+    text = _DIGIT.sub(lambda digit: f" {DIGITS[int(digit.group())]} ", text)
     text = _SPACERS.sub(" ", text.lower().replace("\u2019", "'"))
     text = "".join(c for c in text if c == "'" or not unicodedata.category(c).startswith("P"))
     text = _QUOTE_EDGES.sub(" ", text)
