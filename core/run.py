@@ -111,7 +111,12 @@ def train(
 
     def validate(params) -> dict[str, float]:
         streamed, predictions = evaluate_arrays(steps, params, valid_arrays, config.train.eval_batch_size)
-        return {**streamed, **task.score(predictions, valid_examples, featurizer)}
+        scores = {**streamed, **task.score(predictions, valid_examples, featurizer)}
+        if task.validation_decoding is not None:
+            options = {**read_predict_options(task.predict_options, {}, task.name), **task.validation_decoding}
+            generated = task.generate(steps.model(params), featurizer, valid_examples, options)
+            scores.update(task.score_generated(generated, valid_examples, featurizer))
+        return scores
 
     metrics = fit(task, featurizer, config, steps, train_arrays, validate, workdir, console)
     if jax.process_index() == 0:

@@ -228,6 +228,10 @@ class Task(abc.ABC):
     # 4}}), under which `apps eval` generates for the split and reports `score_generated` side by
     # side. Empty, the default: evaluation is the forward pass alone.
     evaluated_decodings: ClassVar[dict[str, dict[str, Any]]] = {}
+    # The decoding (values of `predict_options`) whose `score_generated` metrics join each
+    # validation during training, for a task whose best metric needs generated outputs (Whisper's
+    # WER); None, the default: validation is the forward pass and `score` alone.
+    validation_decoding: ClassVar[dict[str, Any] | None] = None
 
     def score_generated(
         self, generated: dict[str, Any], examples: Sequence[Example], featurizer: Featurizer

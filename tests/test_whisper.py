@@ -189,3 +189,31 @@ def test_transcriber_reads_files_and_arrays_alike():
         {"text": texts[:1]}, [{"text": "please call me back at five thirty"}], None
     )
     assert scored["wer"] == pytest.approx(100 * 2 / 7)  # "five three zero" against "five thirty": 1 sub, 1 ins
+
+
+def test_fine_tuning_whisper_lowers_the_loss_and_keeps_the_best_by_wer(tmp_path):
+    """A few steps on the synthetic digits (64 clips), every weight training: the loss on the
+    transcripts falls, and validation reports the greedy transcripts' WER that picks the best."""
+    import json
+
+    from core import run
+    from tasks.speech.asr import SpeechTask
+
+    installed("whisper-tiny.en")
+    overrides = [
+        "train.steps=6",
+        "train.batch_size=8",
+        "train.eval_batch_size=8",
+        "train.eval_every=6",
+        "train.checkpoint_every=6",
+        "train.log_every=1",
+        "optim.learning_rate=1e-4",
+        "optim.warmup_steps=1",
+    ]
+    metrics = run.train(SpeechTask, workdir=tmp_path, preset="whisper-tiny", overrides=overrides, data="synthetic")
+    assert {"wer", "cer", "nll"} <= set(metrics)
+    losses = [
+        json.loads(line)["loss"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"loss"' in line
+    ]
+    assert np.mean(losses[-2:]) < np.mean(losses[:2])
+    assert (tmp_path / "best").is_dir()

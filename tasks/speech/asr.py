@@ -203,6 +203,11 @@ class SpeechTask(Task):
         return self.config.model.decoder_layers is not None
 
     @property
+    def validation_decoding(self) -> dict[str, Any] | None:
+        """Whisper's validation WER is of greedy transcripts; CTC's comes from `score`."""
+        return {"beam_width": 1} if self.whisper else None
+
+    @property
     def evaluated_decodings(self) -> dict[str, dict[str, Any]]:
         """CTC scores its greedy paths on the device (`score`); Whisper generates both."""
         if self.whisper:
