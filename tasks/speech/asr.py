@@ -8,7 +8,8 @@ greedy or CTC prefix beam search (`core.ctc`) in `apps eval` and `apps predict`.
 
 Default data: the embedded corpus that eSpeak NG renders (tasks/speech/corpus.py): review
 sentences (`base`) or digit strings (`--preset digits`), tested on held-out voices. `--data`
-takes the user's recordings (tasks/speech/data.py); `--data synthetic` a tiny digits corpus
+takes the user's recordings (tasks/speech/data.py), or names an embedded corpus (`digits`,
+`sentences`: what a pretrained `--model` is scored on); `--data synthetic` a tiny digits corpus
 for tests. WER and CER are scored with jiwer beside pocketsphinx (tasks/speech/scoring.py).
 
 Batches hold `inputs` [B, T, 80] (normalized log-mel, float16 on the host), `mask` [B, T],
@@ -214,19 +215,25 @@ class SpeechTask(Task):
             return {"greedy": {"beam_width": 1}, "beam": {"beam_width": 5}}
         return {"beam": {"beam_width": 8}}
 
-    def examples(self, split: str) -> list[dict]:
+    @property
+    def corpus(self) -> str | None:
+        """The embedded corpus read: `data.corpus`, or one named by --data (digits, sentences,
+        synthetic); None for the user's data."""
         if self.data is None:
-            return corpus.load_corpus(self.config.data.corpus)[split]
-        if self.data == "synthetic":
-            return corpus.load_corpus("synthetic")[split]
+            return self.config.data.corpus
+        return self.data if self.data in corpus.SIZES else None
+
+    def examples(self, split: str) -> list[dict]:
+        if self.corpus is not None:
+            return corpus.load_corpus(self.corpus)[split]
         from tasks.speech.data import load_user_data
 
         return load_user_data(self.data, self.config.data)[split]
 
     def protocol(self) -> dict[str, str]:
-        if self.data not in (None, "synthetic"):
+        if self.corpus is None:
             return {"dataset": self.data, "protocol": f"the data's own split or a 90/5/5 hash split; {NORMALIZATION}"}
-        preset = "synthetic" if self.data else self.config.data.corpus
+        preset = self.corpus
         sizes = corpus.SIZES[preset]
         return {
             "dataset": f"{self.default_data}: {preset}, {sizes['train']} / {sizes['valid']} / {sizes['test']}",
