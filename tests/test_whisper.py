@@ -185,6 +185,11 @@ def test_transcriber_reads_files_and_arrays_alike():
     path = FIXTURES / "clip_callback.wav"
     texts = transcriber.transcribe([path, load_audio(path)], beam_width=1)
     assert texts == ["Please call me back at 5.30"] * 2
+    # Silence and faint noise: no text, where Whisper alone writes "you" (no-speech probability ~0.9).
+    quiet = [np.zeros(32_000, np.float32), 1e-3 * np.random.default_rng(0).standard_normal(32_000)]
+    assert transcriber.transcribe(quiet, beam_width=1) == ["", ""]
+    with pytest.raises(UserError, match="English-only"):
+        transcriber.outputs([str(path)], language="de")
     scored = transcriber.task.score_generated(
         {"text": texts[:1]}, [{"text": "please call me back at five thirty"}], None
     )

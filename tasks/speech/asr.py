@@ -182,6 +182,10 @@ class SpeechTask(Task):
         PredictOption(
             "beam_width", int, 8, "beam search with this many beams (1: greedy); CTC prefix search, or Whisper's"
         ),
+        PredictOption(
+            "language", str, "", "Whisper: the language spoken, as a code (de, fr, ...; default data.language)"
+        ),
+        PredictOption("task", str, "", "Whisper: transcribe, or translate into English (default data.whisper_task)"),
     )
     # A Whisper checkpoint transcribes as it is (apps predict speech --model whisper-tiny.en).
     zero_shot: ClassVar[bool] = True
@@ -352,8 +356,13 @@ class SpeechTask(Task):
         width = options["beam_width"]
         if width < 1:
             raise UserError(f"--beam-width {width}: must be at least 1 (1 is greedy).")
+        if not self.whisper and (options["language"] or options["task"]):
+            raise UserError("--language and --task choose Whisper's prompt; a CTC model reads one language only.")
         if self.whisper:
-            texts, _ = transcribe(model, featurizer, examples, width, self.config.train.eval_batch_size)
+            prompt = featurizer.vocabulary.decoding(
+                options["language"] or featurizer.language or "en", options["task"] or featurizer.task
+            )
+            texts, _ = transcribe(model, featurizer, examples, prompt, width, self.config.train.eval_batch_size)
             if on_text is not None and texts:
                 on_text("  " + texts[0])
             return {"text": texts}

@@ -26,9 +26,10 @@ FORMATS = (".wav", ".flac", ".ogg")
 SILENCE_PEAK = 1e-4
 
 
-def load_audio(path: str | Path) -> np.ndarray:
+def load_audio(path: str | Path, silence_allowed: bool = False) -> np.ndarray:
     """The file at `path` as float32 samples in [-1, 1], mono (channels averaged) at 16 kHz
-    (resampled with librosa)."""
+    (resampled with librosa); a silent file is refused unless `silence_allowed` (a recognizer
+    that tells speech from none itself, as Whisper does)."""
     import librosa
     import soundfile
 
@@ -52,14 +53,16 @@ def load_audio(path: str | Path) -> np.ndarray:
     mono = librosa.to_mono(samples.T)
     if rate != SAMPLE_RATE:
         mono = librosa.resample(mono, orig_sr=rate, target_sr=SAMPLE_RATE)
-    return check_audible(mono.astype(np.float32), str(path))
+    return check_audible(mono.astype(np.float32), str(path), silence_allowed)
 
 
-def check_audible(samples: np.ndarray, where: str) -> np.ndarray:
-    """`samples`, unless they are silent or not finite."""
+def check_audible(samples: np.ndarray, where: str, silence_allowed: bool = False) -> np.ndarray:
+    """`samples`, unless they are empty, not finite, or silent (unless `silence_allowed`)."""
     if not np.all(np.isfinite(samples)):
         raise UserError(f"{where}: the audio holds NaN or infinite samples.")
-    if len(samples) == 0 or np.abs(samples).max() < SILENCE_PEAK:
+    if len(samples) == 0:
+        raise UserError(f"{where}: the audio holds no samples.")
+    if not silence_allowed and np.abs(samples).max() < SILENCE_PEAK:
         raise UserError(f"{where}: the audio is silent (peak below -80 dBFS): nothing to transcribe.")
     return samples
 

@@ -46,14 +46,15 @@ def example_key(examples: Sequence[dict]) -> str | None:
     return hashlib.sha1("\n".join(e["id"] for e in examples).encode()).hexdigest()[:16]
 
 
-def clip(example: dict) -> np.ndarray:
-    """An example's samples as float32 at 16 kHz: its rendered audio or its file."""
+def clip(example: dict, silence_allowed: bool = False) -> np.ndarray:
+    """An example's samples as float32 at 16 kHz: its rendered audio or its file (see
+    `audio.load_audio` for `silence_allowed`)."""
     samples = example.get("audio")
     if samples is not None:
         samples = np.asarray(samples)
         scale = 1 / 32768 if samples.dtype == np.int16 else 1.0  # the rendered corpus keeps int16
-        return audio_lib.check_audible(samples.astype(np.float32) * scale, describe(example))
-    return audio_lib.load_audio(example["path"])
+        return audio_lib.check_audible(samples.astype(np.float32) * scale, describe(example), silence_allowed)
+    return audio_lib.load_audio(example["path"], silence_allowed)
 
 
 @dataclass

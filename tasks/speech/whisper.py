@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from core import whisper
-from core.encoder_decoder import generate_beams_from_source, generate_from_source
+from core.encoder_decoder import Start, generate_beams_from_source, generate_from_source
 from core.errors import UserError
 from tasks.common.tokenizer import PretrainedTokenizer
 from tasks.speech import audio as audio_lib
@@ -129,15 +129,16 @@ class WhisperFeaturizer:
         return arrays
 
 
-def transcribe(model, featurizer: WhisperFeaturizer, examples: Sequence[dict], beam_width: int, batch_size: int):
-    """Each example's transcript (greedy with `beam_width` 1, else beam search as Whisper's:
-    the first W ended beams, by log-probability over length) and, per example, the windows'
-    no-speech probabilities."""
+def transcribe(
+    model, featurizer: WhisperFeaturizer, examples: Sequence[dict], start: Start, beam_width: int, batch_size: int
+):
+    """Each example's transcript after the prompt `start` (`Vocabulary.decoding`: language and
+    task), greedy with `beam_width` 1, else beam search as Whisper's (the first W ended beams, by
+    log-probability over length), and, per example, the windows' no-speech probabilities."""
     vocabulary = featurizer.vocabulary
-    start = vocabulary.decoding(featurizer.language or "en", featurizer.task)
     pieces = []  # (example index, frames)
     for index, example in enumerate(examples):
-        samples = clip(example)
+        samples = clip(example, silence_allowed=True)  # Whisper says itself that a window holds no speech
         pieces += [(index, featurizer.frames(samples[window])) for window in cut_windows(samples)]
     texts: list[list[str]] = [[] for _ in examples]
     no_speech: list[list[float]] = [[] for _ in examples]
