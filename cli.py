@@ -342,13 +342,17 @@ def bench(
         Optional[list[str]],
         typer.Argument(
             help="Train step configs: small, big (default both); decode: greedy generation on the small "
-            "and GPT-2-sized decoders (decode-small, decode-gpt2: one of them)."
+            "and GPT-2-sized decoders (decode-small, decode-gpt2: one of them); transcribe: Whisper's "
+            "real-time factor (with --model)."
         ),
     ] = None,
     steps: Annotated[int, typer.Option(help="Timed train steps per config, after warm-up.")] = 10,
     model: Annotated[
         Optional[str],
-        typer.Option(help="A pretrained decoder (smollm2-135m-instruct, a .gguf file): its decode and finetune speed."),
+        typer.Option(
+            help="A pretrained decoder (smollm2-135m-instruct, a .gguf file): its decode and finetune speed; "
+            "a Whisper checkpoint with transcribe."
+        ),
     ] = None,
     json_path: Annotated[
         Optional[Path], typer.Option("--json", help="Also write the figures to this JSON file.")
@@ -359,8 +363,15 @@ def bench(
 
     from core import bench as bench_lib
 
-    default = [] if model is not None else list(bench_lib.CONFIGS)
-    results = bench_lib.main(configs or default, steps, _console(), model)
+    if configs == ["transcribe"]:
+        if model is None:
+            raise UserError("apps bench transcribe needs --model (whisper-tiny.en, whisper-base).")
+        from tasks.speech import bench as speech_bench
+
+        results = {"transcribe": speech_bench.transcription(model, _console())}
+    else:
+        default = [] if model is not None else list(bench_lib.CONFIGS)
+        results = bench_lib.main(configs or default, steps, _console(), model)
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(results, indent=2) + "\n")

@@ -1,0 +1,61 @@
+"""`apps bench transcribe --model whisper-tiny.en`: the real-time factor of Whisper's transcription.
+
+Real-time factor: seconds of wall time per second of audio, over the whole transcription of a
+set of clips (log-mel features, the encoder, greedy decoding and the text), once compiled.
+Two sets, from the embedded sentences corpus's test split: 8 short clips (one utterance each,
+2-4 s) and 8 long ones (6 utterances joined, 10-30 s). Each set runs at batch 1 (a call per
+clip) and batch 8 (one call); Whisper reads a 30 s window whatever the clip's length, so the
+encoder costs the same for a 2 s clip as for a 30 s one.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from tasks.speech import corpus
+from tasks.speech.audio import SAMPLE_RATE
+from tasks.speech.featurizer import clip
+from tasks.speech.whisper import transcribe
+
+CLIPS = 8
+JOINED = 6  # utterances in a long clip
+
+
+def clip_sets() -> dict[str, list[np.ndarray]]:
+    test = corpus.load_corpus("sentences")["test"]
+    samples = [clip(example) for example in test[: CLIPS * (1 + JOINED)]]
+    long = [np.concatenate(samples[CLIPS + JOINED * i : CLIPS + JOINED * (i + 1)]) for i in range(CLIPS)]
+    return {"short": samples[:CLIPS], "long": long}
+
+
+def transcription(name: str, console: Console) -> list[dict]:
+    from tasks.speech.asr import Transcriber
+
+    transcriber = Transcriber(model=name)
+    featurizer = transcriber.featurizer
+    start = featurizer.vocabulary.decoding(featurizer.language or "en", featurizer.task)
+    table = Table(
+        title=f"{name}: greedy transcription, real-time factor (wall s per audio s, compiled)",
+        caption="batch 1: a call per clip; batch 8: one call. Whisper reads a 30 s window per clip.",
+    )
+    for column in ("clips", "audio s", "batch", "RTF", "wall s"):
+        table.add_column(column, justify="right")
+    results = []
+    for kind, clips in clip_sets().items():
+        examples = [{"id": None, "audio": c, "where": f"{kind} clip {i}", "text": ""} for i, c in enumerate(clips)]
+        seconds = sum(len(c) for c in clips) / SAMPLE_RATE
+        for batch in (1, 8):
+            transcribe(transcriber.model, featurizer, examples[:batch], start, 1, batch)  # compiles
+            began = time.perf_counter()
+            transcribe(transcriber.model, featurizer, examples, start, 1, batch)
+            wall = time.perf_counter() - began
+            results.append(
+                {"model": name, "clips": kind, "audio_s": seconds, "batch_size": batch, "rtf": wall / seconds}
+            )
+            table.add_row(kind, f"{seconds:.1f}", str(batch), f"{wall / seconds:.3f}", f"{wall:.1f}")
+    console.print(table)
+    return results
