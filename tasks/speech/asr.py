@@ -120,7 +120,8 @@ def digits() -> Config:
 
 
 def whisper_preset(name: str, checkpoint: str, batch_size: int, learning_rate: float) -> Config:
-    """Fine-tuning a shipped Whisper checkpoint (its architecture comes from the file)."""
+    """Fine-tuning a shipped Whisper checkpoint (its architecture comes from the file); SpecAugment
+    is an option here (`data.freq_masks`, `data.time_masks`), off as Whisper was trained."""
     return Config(
         task="speech",
         preset=name,
@@ -129,7 +130,7 @@ def whisper_preset(name: str, checkpoint: str, batch_size: int, learning_rate: f
         train=TrainConfig(
             batch_size=batch_size, eval_batch_size=16, steps=400, eval_every=100, checkpoint_every=100, log_every=10
         ),
-        data=SpeechData(max_seconds=30.0),
+        data=SpeechData(max_seconds=30.0, freq_masks=0, time_masks=0),
     )
 
 
