@@ -39,11 +39,13 @@ def test_log_mel_of_a_sine_peaks_in_its_mel_bin():
         assert frames.mean(0).argmax() == np.abs(centers - frequency).argmin(), frequency
 
 
-def test_resampling_and_downmixing(tmp_path):
+def test_resampling_and_downmixing(tmp_path, caplog):
     left = sine(440.0, 1.0, 44_100)
     path = tmp_path / "stereo.wav"
     soundfile.write(path, np.stack([left, np.zeros_like(left)], axis=1), 44_100)
-    samples = audio.load_audio(path)
+    with caplog.at_level("INFO", logger="apps"):
+        samples = audio.load_audio(path)
+    assert "stereo.wav: 2 channel(s) at 44100 Hz, read as their mean at 16000 Hz." in caplog.text
     assert samples.dtype == np.float32 and len(samples) == audio.SAMPLE_RATE
     # Mono is the mean of the channels: half the left channel's amplitude; the tone stays at 440 Hz.
     assert abs(np.abs(samples[1000:-1000]).max() - 0.25) < 0.01

@@ -9,6 +9,7 @@ names the file.
 from __future__ import annotations
 
 import functools
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +23,7 @@ HOP = 160  # 10 ms: 100 frames a second
 FFT_SIZE = 512
 WHISPER_FRAMES = 3000  # Whisper reads 30 s windows
 FORMATS = (".wav", ".flac", ".ogg")
+logger = logging.getLogger("apps")
 # A clip whose peak stays under this (-80 dBFS) holds nothing to recognize.
 SILENCE_PEAK = 1e-4
 
@@ -51,6 +53,9 @@ def load_audio(path: str | Path, silence_allowed: bool = False) -> np.ndarray:
     if len(samples) == 0:
         raise UserError(f"{path}: the file holds no samples.")
     mono = librosa.to_mono(samples.T)
+    if rate != SAMPLE_RATE or samples.shape[1] > 1:
+        # A note, not an error: any rate and channel count is read, and the user should know how.
+        logger.info(f"{path}: {samples.shape[1]} channel(s) at {rate} Hz, read as their mean at {SAMPLE_RATE} Hz.")
     if rate != SAMPLE_RATE:
         mono = librosa.resample(mono, orig_sr=rate, target_sr=SAMPLE_RATE)
     return check_audible(mono.astype(np.float32), str(path), silence_allowed)
