@@ -23,3 +23,10 @@ def test_a_pretrained_decoders_decode_and_finetune_speed(tmp_path):
     assert [r["lora_rank"] for r in figures["finetune"]] == [0, bench.LORA_RANK]
     assert all(r["tokens_per_s"] > 0 for r in figures["finetune"])
     assert "finetune" in apps("bench", "nonsense", "--model", tiny).output
+
+
+def test_the_transcription_benchmark_needs_a_whisper_model():
+    result = apps("bench", "transcribe")
+    assert (
+        result.exit_code == 1 and "apps bench transcribe needs --model (whisper-tiny.en, whisper-base)" in result.output
+    )
