@@ -292,17 +292,25 @@ def main(names: list[str], steps: int, console: Console, model: str | None = Non
     return {"train": train_table(train, steps, console) if train else [], "decode": decode_table(runs, console)}
 
 
+def figures(title: str, caption: str, columns: tuple[str, ...]) -> Table:
+    """A benchmark's table: its title, the caption that says how the figures were taken, and
+    right-aligned columns."""
+    table = Table(title=title, caption=caption)
+    for column in columns:
+        table.add_column(column, justify="right")
+    return table
+
+
 def decode_table(runs: list[DecodeRun], console: Console) -> list[dict]:
     if not runs:
         return []
-    table = Table(
+    table = figures(
         title=f"greedy decoding (f32), {PROMPT_TOKENS}-token prompts, {NEW_TOKENS} new tokens, "
         f"on {jax.devices()[0].device_kind}",
         caption="new tok/s: new tokens over the whole call, prefill included, best of the timed calls "
         "(median beside it); no cache: the full forward pass again at every token. Times in s.",
+        columns=("model", "params", "batch", "cache", "new tok/s", "median", "call", "compile"),
     )
-    for column in ("model", "params", "batch", "cache", "new tok/s", "median", "call", "compile"):
-        table.add_column(column, justify="right")
     results = []
     for run in runs:
         result = run_decode(run)
@@ -323,28 +331,26 @@ def decode_table(runs: list[DecodeRun], console: Console) -> list[dict]:
 
 def train_table(names: list[str], steps: int, console: Console) -> list[dict]:
     device = jax.devices()[0].device_kind
-    table = Table(
+    table = figures(
         title=f"core train step (f32, AdamW) on {device} x{jax.device_count()}",
         caption="GFLOP/s: the FLOPs executed (6N + 12LdT x the share of attention scores the kernel computes). "
         "dot: jnp.dot 2048^3 f32 GFLOP/s, sustained over step-long stretches between the steps; "
         "burst: its best single product. MFU = GFLOP/s / dot; MFU model: 6N + 12LdT in full / dot; "
         "MFU/b = GFLOP/s / burst. Compile in s.",
+        columns=(
+            "config",
+            "params",
+            "tok/s",
+            "ms/step",
+            "compile",
+            "GFLOP/s",
+            "dot",
+            "MFU",
+            "MFU model",
+            "burst",
+            "MFU/b",
+        ),
     )
-    columns = (
-        "config",
-        "params",
-        "tok/s",
-        "ms/step",
-        "compile",
-        "GFLOP/s",
-        "dot",
-        "MFU",
-        "MFU model",
-        "burst",
-        "MFU/b",
-    )
-    for column in columns:
-        table.add_column(column, justify="right")
     results = []
     for name in names:
         result = run_config(CONFIGS[name], steps)
@@ -394,13 +400,12 @@ def pretrained_task(name: str, max_len: int, lora_rank: int = 0) -> CausalLM:
 def pretrained_decode(name: str, console: Console) -> list[dict]:
     task = pretrained_task(name, PROMPT_TOKENS + NEW_TOKENS)
     model = build_model(task, None, task.config, from_pretrained=True)
-    table = Table(
+    table = figures(
         title=f"{name}: greedy decoding, {PROMPT_TOKENS}-token prompts, {NEW_TOKENS} new tokens",
         caption="new tok/s over the whole call, prefill included, best of 3 calls (median beside it); "
         "bfloat16: the weights and the compute in bfloat16 (norms and softmax in float32).",
+        columns=("weights", "batch", "new tok/s", "median", "call s", "compile s"),
     )
-    for column in ("weights", "batch", "new tok/s", "median", "call s", "compile s"):
-        table.add_column(column, justify="right")
     results = []
     for batch_size, dtype in PRETRAINED_DECODE:
         graphdef, params = nnx.split(model)
@@ -419,12 +424,11 @@ def pretrained_decode(name: str, console: Console) -> list[dict]:
 
 
 def pretrained_finetune(name: str, steps: int, console: Console) -> list[dict]:
-    table = Table(
+    table = figures(
         title=f"{name}: a fine-tuning step (AdamW, float32), {FINETUNE_BATCH} rows of {FINETUNE_LEN} tokens",
         caption="tok/s: training tokens a second, best of the timed steps (median beside it).",
+        columns=("weights trained", "tok/s", "median", "ms/step", "compile s"),
     )
-    for column in ("weights trained", "tok/s", "median", "ms/step", "compile s"):
-        table.add_column(column, justify="right")
     results = []
     # The rows divide over the devices (tests simulate 8).
     rows = -(-FINETUNE_BATCH // jax.device_count()) * jax.device_count()

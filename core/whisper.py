@@ -23,10 +23,11 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from core import ctranslate2_files, pretrained
+from core import ctranslate2_files, pretrained, transformer
 from core.config import ModelConfig
 from core.encoder_decoder import EncoderDecoder, Start
 from core.errors import UserError
@@ -80,13 +81,6 @@ def layers(variables: dict, stack: str) -> int:
     return len(found)
 
 
-def sinusoids(length: int, width: int) -> np.ndarray:
-    """Whisper's encoder position table [length, width] (as `core.transformer.sinusoids`)."""
-    half = width // 2
-    angle = np.arange(length)[:, None] * np.exp(-np.log(10_000.0) / (half - 1) * np.arange(half))[None, :]
-    return np.concatenate([np.sin(angle), np.cos(angle)], axis=1)
-
-
 class WhisperFamily(Family):
     name = "whisper"
 
@@ -111,7 +105,8 @@ class WhisperFamily(Family):
             raise UserError(f"{where}: the encoder has {heads} heads and the decoder {int(v['decoder/num_heads'])}.")
         d_model = v["encoder/conv1/weight"].shape[0]
         table = v["encoder/position_encodings/encodings"]
-        if np.abs(table.astype(np.float32) - sinusoids(*table.shape)).max() > 1e-2:
+        expected = transformer.sinusoids(jnp.arange(table.shape[0])[None, :], table.shape[1])[0]
+        if np.abs(table.astype(np.float32) - np.asarray(expected)).max() > 1e-2:
             raise UserError(f"{where}: the encoder's position table is not Whisper's sinusoids.")
         config = ModelConfig(
             d_model=d_model,

@@ -360,9 +360,7 @@ class SpeechTask(Task):
         if not self.whisper and (options["language"] or options["task"]):
             raise UserError("--language and --task choose Whisper's prompt; a CTC model reads one language only.")
         if self.whisper:
-            prompt = featurizer.vocabulary.decoding(
-                options["language"] or featurizer.language or "en", options["task"] or featurizer.task
-            )
+            prompt = featurizer.decoding(options["language"], options["task"])
             texts, _ = transcribe(model, featurizer, examples, prompt, width, self.config.train.eval_batch_size)
             if on_text is not None and texts:
                 on_text("  " + texts[0])

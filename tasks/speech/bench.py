@@ -14,8 +14,8 @@ import time
 
 import numpy as np
 from rich.console import Console
-from rich.table import Table
 
+from core.bench import figures
 from tasks.speech import corpus
 from tasks.speech.audio import SAMPLE_RATE
 from tasks.speech.featurizer import clip
@@ -37,13 +37,12 @@ def transcription(name: str, console: Console) -> list[dict]:
 
     transcriber = Transcriber(model=name)
     featurizer = transcriber.featurizer
-    start = featurizer.vocabulary.decoding(featurizer.language or "en", featurizer.task)
-    table = Table(
+    start = featurizer.decoding()
+    table = figures(
         title=f"{name}: greedy transcription, real-time factor (wall s per audio s, compiled)",
         caption="batch 1: a call per clip; batch 8: one call. Whisper reads a 30 s window per clip.",
+        columns=("clips", "audio s", "batch", "RTF", "wall s"),
     )
-    for column in ("clips", "audio s", "batch", "RTF", "wall s"):
-        table.add_column(column, justify="right")
     results = []
     for kind, clips in clip_sets().items():
         examples = [{"id": None, "audio": c, "where": f"{kind} clip {i}", "text": ""} for i, c in enumerate(clips)]

@@ -77,14 +77,16 @@ class WhisperFeaturizer:
             options.whisper_task,
             options.max_seconds,
         )
-        featurizer.prompt()  # an unknown language or task fails here, before any audio is read
+        featurizer.decoding()  # an unknown language or task fails here, before any audio is read
         return featurizer
 
     def save(self, directory: Path) -> None:
         """Nothing beyond the config: the checkpoint holds the tokenizer."""
 
-    def prompt(self) -> list[int]:
-        return self.vocabulary.prompt(self.language or "en", self.task)
+    def decoding(self, language: str = "", task: str = "") -> Start:
+        """How a window's decoding starts (`Vocabulary.decoding`): in `language` and for `task`
+        where given, else the featurizer's own (English for an English-only model)."""
+        return self.vocabulary.decoding(language or self.language or "en", task or self.task)
 
     def frames(self, samples: np.ndarray) -> np.ndarray:
         return audio_lib.whisper_log_mel(samples, self.mel_bins).astype(np.float16)
@@ -99,7 +101,7 @@ class WhisperFeaturizer:
 
     def __call__(self, examples: Sequence[dict]) -> dict[str, np.ndarray]:
         """Teacher forcing: each clip's 30 s window and its transcript after the prompt."""
-        prompt = self.prompt()
+        prompt = list(self.decoding().prompt)
         rows = []
         for example in examples:
             samples = clip(example)
