@@ -93,6 +93,11 @@ class _Bound:
     def lower(self, first, batch):
         return self.jitted.lower(first, self.frozen, batch)
 
+    def compiled(self, first, batch) -> _Bound:
+        """The step compiled ahead of time for these arguments' shapes (a benchmark times the
+        compilation apart), still called as step(first, batch)."""
+        return _Bound(self.lower(first, batch).compile(), self.frozen)
+
 
 def make_steps(
     task: Task,

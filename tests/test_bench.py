@@ -30,3 +30,11 @@ def test_the_transcription_benchmark_needs_a_whisper_model():
     assert (
         result.exit_code == 1 and "apps bench transcribe needs --model (whisper-tiny.en, whisper-base)" in result.output
     )
+
+
+def test_the_train_step_benchmark_runs(tmp_path):
+    """`make bench` (the README's): the core's train step compiled ahead of time and timed."""
+    result = apps("bench", "small", "--steps", 1, "--json", tmp_path / "bench.json")
+    assert result.exit_code == 0, result.output
+    (figures,) = json.loads((tmp_path / "bench.json").read_text())["train"]
+    assert figures["tokens_per_s"] > 0 and figures["compile_s"] > 0
