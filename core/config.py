@@ -409,6 +409,10 @@ def _check(value: Any, hint: Any, where: str) -> Any:
     elif hint is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
+    elif hint is bool:
+        # `true` and `false` as a shell user types them, beside Python's True and False.
+        if isinstance(value, bool) or (isinstance(value, str) and value.lower() in ("true", "false")):
+            return value is True or str(value).lower() == "true"
     elif isinstance(hint, type):
         if isinstance(value, hint):
             return value

@@ -5,6 +5,7 @@ and the helpers several test files share, imported as `from conftest import apps
 must not import this module.)
 """
 
+import gc
 import logging
 import os
 
@@ -38,6 +39,15 @@ def plain(text: str) -> str:
 def table_rows(output: str) -> list[list[str]]:
     """The body rows of the rich tables in `output`, as lists of cell texts."""
     return [[cell.strip() for cell in line.strip("│ ").split("│")] for line in output.splitlines() if "│" in line]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Each test module starts without the programs the modules before it compiled: the whole
+    suite runs in one process, whose memory would otherwise only grow (CI has 24 GiB)."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture

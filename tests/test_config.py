@@ -31,6 +31,13 @@ def test_int_widens_to_float_but_not_back():
         apply_overrides(base(), ["train.steps=1.5"])
 
 
+def test_booleans_read_as_python_or_as_a_shell_user_types_them():
+    for text, value in [("True", True), ("true", True), ("FALSE", False), ("false", False)]:
+        assert apply_overrides(base(), [f"train.remat={text}"]).train.remat is value
+    with pytest.raises(UserError, match="expected bool"):
+        apply_overrides(base(), ["train.remat=yes"])
+
+
 def test_unknown_key_lists_valid_ones():
     with pytest.raises(UserError, match=r"unknown key 'dmodel'.*d_model, num_layers"):
         apply_overrides(base(), ["model.dmodel=3"])

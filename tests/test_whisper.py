@@ -198,7 +198,9 @@ def test_transcriber_reads_files_and_arrays_alike():
 
 def test_fine_tuning_whisper_lowers_the_loss_and_keeps_the_best_by_wer(tmp_path):
     """A few steps on the synthetic digits (64 clips), every weight training: the loss on the
-    transcripts falls, and validation reports the greedy transcripts' WER that picks the best."""
+    transcripts falls, and validation reports the greedy transcripts' WER that picks the best.
+    The parameters and moments are sharded over the eight simulated devices (train.fsdp=8), which
+    otherwise hold eight copies of them in this one process's memory."""
     import json
 
     from core import run
@@ -209,6 +211,7 @@ def test_fine_tuning_whisper_lowers_the_loss_and_keeps_the_best_by_wer(tmp_path)
         "train.steps=6",
         "train.batch_size=8",
         "train.eval_batch_size=8",
+        "train.fsdp=8",
         "train.eval_every=6",
         "train.checkpoint_every=6",
         "train.log_every=1",
