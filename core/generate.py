@@ -83,11 +83,14 @@ class Sampling:
 
 class Generation(NamedTuple):
     """New tokens [B, max_new_tokens] (0 past each row's length) and lengths [B], which count a
-    row's stop token when it produced one; an encoder-decoder's probed token's probability [B]
+    row's stop token when it produced one; each row's sum of its tokens' log-probabilities [B]
+    (under the logits as adjusted, before the temperature: how sure the model was, whatever the
+    sampling); an encoder-decoder's probed token's probability [B]
     (`core.encoder_decoder.Start.probe`), or None."""
 
     tokens: np.ndarray
     lengths: np.ndarray
+    log_probs: np.ndarray
     probe: np.ndarray | None = None
 
 
@@ -120,34 +123,37 @@ def sample(
     step: Step, state: State, logits: jax.Array, key: jax.Array, sampling: Sampling, on_tokens: OnTokens | None = None
 ) -> tuple[jax.Array, jax.Array]:
     """Decodes up to `max_new_tokens` per row from `logits` [B, V] for the first new token, in one
-    while loop that ends when every row has produced a stop token. -> tokens [B, M], lengths [B]
-    (see `Generation`)."""
+    while loop that ends when every row has produced a stop token. -> tokens [B, M], lengths [B],
+    log-probability sums [B] (see `Generation`)."""
     M = sampling.max_new_tokens
     stops = jnp.asarray(sampling.stop_tokens, jnp.int32)
     B = logits.shape[0]
 
-    def pick(index, logits, tokens, lengths, done):
+    def pick(index, logits, tokens, lengths, log_probs, done):
         logits = penalties.adjust(logits, tokens, index, stops, sampling.no_repeat_ngram, sampling.word_reward)
         token = jnp.where(done, 0, choose(logits, jax.random.fold_in(key, index), sampling))
         if on_tokens is not None:
             io_callback(on_tokens, None, token, ~done, ordered=True)
+        chosen = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), token[:, None], axis=-1)[:, 0]
+        log_probs = log_probs + jnp.where(done, 0.0, chosen)
         tokens = jax.lax.dynamic_update_slice(tokens, token[:, None], (0, index))
         lengths = lengths + (~done).astype(jnp.int32)
         done = done | jnp.isin(token, stops)
-        return token, tokens, lengths, done
+        return token, tokens, lengths, log_probs, done
 
     def body(carry):
-        index, token, tokens, lengths, done, state = carry
+        index, token, tokens, lengths, log_probs, done, state = carry
         logits, state = step(state, token)
-        return index + 1, *pick(index, logits, tokens, lengths, done), state
+        return index + 1, *pick(index, logits, tokens, lengths, log_probs, done), state
 
     def running(carry):
-        index, done = carry[0], carry[4]
+        index, done = carry[0], carry[5]
         return (index < M) & ~jnp.all(done)
 
-    start = pick(0, logits, jnp.zeros((B, M), jnp.int32), jnp.zeros((B,), jnp.int32), jnp.zeros((B,), bool))
-    _, _, tokens, lengths, _, _ = jax.lax.while_loop(running, body, (jnp.int32(1), *start, state))
-    return tokens, lengths
+    zeros = jnp.zeros((B, M), jnp.int32), jnp.zeros((B,), jnp.int32), jnp.zeros((B,), jnp.float32)
+    start = pick(0, logits, *zeros, jnp.zeros((B,), bool))
+    _, _, tokens, lengths, log_probs, _, _ = jax.lax.while_loop(running, body, (jnp.int32(1), *start, state))
+    return tokens, lengths, log_probs
 
 
 def prefill(model: Model, tokens: jax.Array, lengths: jax.Array, max_len: int) -> tuple[jax.Array, Cache]:
@@ -229,8 +235,8 @@ def generate(
     )
     tokens, lengths = prepare_prompts(model, prompts, max_new_tokens)
     graphdef, params = nnx.split(model)
-    new, counts = _sample_program(graphdef, sampling, on_tokens, use_cache, params, tokens, lengths, key)
-    return Generation(np.asarray(new), np.asarray(counts))
+    outputs = _sample_program(graphdef, sampling, on_tokens, use_cache, params, tokens, lengths, key)
+    return Generation(*(np.asarray(x) for x in outputs))
 
 
 def sampling_and_key(

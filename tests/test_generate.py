@@ -273,6 +273,29 @@ def test_no_repeat_ngram_breaks_a_loop():
     np.testing.assert_array_equal(decode(2)[0], [0, 0, 1, 0, 2, 0])
 
 
+def test_sampling_sums_each_rows_log_probabilities_untempered():
+    # Token 0 stops; first 1 (0.7) or 2 (0.3); after 1: stop 0.6 or 3 0.4; after 2 and 3: stop.
+    first_p, table = [0, 0.7, 0.3, 0], [[0.25] * 4, [0.6, 0, 0, 0.4], [1, 0, 0, 0], [1, 0, 0, 0]]
+    step, first = bigram_step(first_p, table)
+
+    def log_probability(path):  # as bigram_step reads the tables: 0 stands for 1e-6
+        steps = [first_p[path[0]]] + [table[a][b] for a, b in zip(path, path[1:])]
+        return float(np.sum(np.log(np.maximum(steps, 1e-6))))
+
+    tokens, lengths, log_probs = sample(
+        step, jnp.zeros((1, 1)), first, jax.random.key(0), Sampling(max_new_tokens=4, stop_tokens=(0,))
+    )
+    assert tokens[0].tolist() == [1, 0, 0, 0] and lengths[0] == 2
+    np.testing.assert_allclose(log_probs[0], np.log(0.42), rtol=1e-5)
+    # Sampled at a temperature, 64 rows: each row's sum is its path's log-probability under the
+    # model's own distribution, not the flattened one it was drawn from.
+    sampling = Sampling(max_new_tokens=4, stop_tokens=(0,), temperature=2.0)
+    tokens, lengths, log_probs = sample(step, jnp.zeros((64, 1)), jnp.tile(first, (64, 1)), jax.random.key(1), sampling)
+    paths = [tuple(row[:length].tolist()) for row, length in zip(tokens, lengths)]
+    assert {(1, 0), (1, 3, 0), (2, 0)} <= set(paths)
+    np.testing.assert_allclose(log_probs, [log_probability(path) for path in paths], rtol=1e-5)
+
+
 def test_the_word_reward_lengthens_greedy_and_beam_outputs():
     # Token 0 stops. First token 1 (0.7) or 2 (0.3); after 1 the stop is likely (0.6) against
     # token 3 (0.4); after 2 and 3, the stop is certain.
