@@ -4,6 +4,7 @@ once in a scratch environment by make_whisper_reference.py; see its README)."""
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 from pathlib import Path
 
@@ -160,6 +161,46 @@ def test_long_audio_is_cut_at_quiet_moments_covering_every_sample_once():
     assert all(0 < w.stop - w.start <= 30 * rate for w in windows)
     assert int(27.5 * rate) <= windows[0].stop <= int(27.8 * rate) - rate // 10  # inside the pause
     assert speech_whisper.cut_windows(samples[: 5 * rate]) == [slice(0, 5 * rate)]
+    # A 6 s window looks for its cut in its last 3 s.
+    short = speech_whisper.cut_windows(samples[: 20 * rate], 6 * rate)
+    assert short[0].start == 0 and short[-1].stop == 20 * rate
+    assert all(a.stop == b.start for a, b in zip(short, short[1:]))
+    assert all(3 * rate <= w.stop - w.start <= 6 * rate for w in short[:-1])
+
+
+def test_a_window_that_loops_or_is_doubted_is_decoded_again_at_rising_temperatures(monkeypatch):
+    # Whisper's tests: gzip ratio above 2.4 (12 repeated words: 3.13) or mean log-prob below -1.
+    assert speech_whisper.doubtful("the " * 11 + "the", -0.1)
+    assert not speech_whisper.doubtful("please call me back at five thirty", -0.5)
+    assert speech_whisper.doubtful("please call me back at five thirty", -1.2)
+    assert not speech_whisper.doubtful("", -0.2)
+    # Three windows: one loops at temperature 0, one is sure, one holds no speech (and loops:
+    # it gives no text all the same, and is not decoded again).
+    from tasks.speech.asr import whisper_tiny
+
+    featurizer = speech_whisper.WhisperFeaturizer.from_checkpoint(installed("whisper-tiny.en"), whisper_tiny().data)
+    loop = " ".join(["five"] * 20)
+    first = [(loop, -0.05, 0.01), ("call me back", -0.2, 0.01), ("you you you you you you", -0.1, 0.9)]
+    calls = []
+
+    def decode(model, featurizer, frames, start, batch_size, *, beam_width=1, temperature=0.0, seed=0):
+        calls.append((len(frames), temperature))
+        if temperature == 0.0:
+            return list(first)
+        # At 0.2 the likeliest of the five samples still loops; at 0.4 the likeliest is right.
+        if temperature == 0.2:
+            return [("five five five five five five five five five five five five", -0.3, 0.01)] * 5
+        return [("five fine", -1.5, 0.01), ("five nine", -0.4, 0.01)] + [("nine", -0.9, 0.01)] * 3
+
+    monkeypatch.setattr(speech_whisper, "_decode", decode)
+    clips = [{"id": None, "audio": np.zeros(1600, np.float32), "where": f"clip {i}", "text": ""} for i in range(3)]
+    start = featurizer.decoding()
+    texts, no_speech = speech_whisper.transcribe(None, featurizer, clips, start, beam_width=1, batch_size=8)
+    assert texts == ["five nine", "call me back", ""] and no_speech == [[0.01], [0.01], [0.9]]
+    assert calls == [(3, 0.0), (5, 0.2), (5, 0.4)]
+    calls.clear()
+    assert speech_whisper.transcribe(None, featurizer, clips, start, 1, 8, fallback=False)[0][0] == loop
+    assert calls == [(3, 0.0)]
 
 
 def test_the_featurizer_teaches_the_transcript_after_the_prompt():
@@ -176,6 +217,15 @@ def test_the_featurizer_teaches_the_transcript_after_the_prompt():
     np.testing.assert_array_equal(batch["target_mask"][0], [False] + [True] * (len(ids) - 2))
     assert batch["inputs"].shape == (1, 3000, 80) and batch["mask"].all()
     assert featurizer.decode([*text, 50256, 0, 0]) == "the quick fox"
+    # data.max_seconds is the encoder's window: 2 s read as 200 frames, the same features as the
+    # 30 s window's first 200; a longer clip is refused with its name.
+    featurizer.max_seconds = 2.0
+    short = featurizer([{"id": None, "audio": samples[:16_000], "where": "fox", "text": "the"}])["inputs"]
+    whole = speech_whisper.WhisperFeaturizer.frames(dataclasses.replace(featurizer, max_seconds=30.0), samples[:16_000])
+    assert short.shape == (1, 200, 80)
+    np.testing.assert_allclose(short[0], whole[:200], atol=2e-3)
+    with pytest.raises(UserError, match=r"fox: the clip is \d.\d s long; .* at most one window, 2 s"):
+        featurizer([{"id": None, "audio": samples, "where": "fox", "text": "the quick fox"}])
 
 
 def test_transcriber_reads_files_and_arrays_alike():
@@ -183,8 +233,9 @@ def test_transcriber_reads_files_and_arrays_alike():
 
     transcriber = Transcriber(model=installed("whisper-tiny.en"))
     path = FIXTURES / "clip_callback.wav"
-    texts = transcriber.transcribe([path, load_audio(path)], beam_width=1)
-    assert texts == ["Please call me back at 5.30"] * 2
+    samples = load_audio(path)
+    texts = transcriber.transcribe([path, samples, (samples * 32768).round().astype(np.int16)], beam_width=1)
+    assert texts == ["Please call me back at 5.30"] * 3  # int16 PCM is scaled as a WAV file's
     # Silence and faint noise: no text, where Whisper alone writes "you" (no-speech probability ~0.9).
     quiet = [np.zeros(32_000, np.float32), 1e-3 * np.random.default_rng(0).standard_normal(32_000)]
     assert transcriber.transcribe(quiet, beam_width=1) == ["", ""]

@@ -55,7 +55,9 @@ class SpeechData(DataConfig):
     `corpus`: the embedded default read when --data is not given. `units`: characters of
     `alphabet` (after the normalization of tasks/speech/scoring.py), or sentencepiece
     `pieces` (unigram, `vocab_size`) trained on the training transcripts. `max_seconds`: the
-    longest clip the model reads; a longer one is refused with its name (cut it first).
+    longest clip the model reads; a longer one is refused with its name (cut it first). For
+    Whisper it is the encoder's window too (at most 30 s; tasks/speech/whisper.py), and longer
+    audio is transcribed window by window.
     """
 
     corpus: Literal["sentences", "digits"] = "sentences"
@@ -210,8 +212,10 @@ class SpeechTask(Task):
 
     @property
     def validation_decoding(self) -> dict[str, Any] | None:
-        """Whisper's validation WER is of greedy transcripts; CTC's comes from `score`."""
-        return {"beam_width": 1} if self.whisper else None
+        """Whisper's validation WER is of greedy transcripts (without the temperature fallback,
+        which would cost a looping early checkpoint five samples per window and temperature);
+        CTC's comes from `score`."""
+        return {"beam_width": 1, "fallback": False} if self.whisper else None
 
     @property
     def evaluated_decodings(self) -> dict[str, dict[str, Any]]:
@@ -361,7 +365,8 @@ class SpeechTask(Task):
             raise UserError("--language and --task choose Whisper's prompt; a CTC model reads one language only.")
         if self.whisper:
             prompt = featurizer.decoding(options["language"], options["task"])
-            texts, _ = transcribe(model, featurizer, examples, prompt, width, self.config.train.eval_batch_size)
+            batch_size, fallback = self.config.train.eval_batch_size, options.get("fallback", True)
+            texts, _ = transcribe(model, featurizer, examples, prompt, width, batch_size, fallback)
             if on_text is not None and texts:
                 on_text("  " + texts[0])
             return {"text": texts}
@@ -417,6 +422,14 @@ def _forward(graphdef):
     return forward
 
 
+def as_float_samples(samples) -> np.ndarray:
+    """Samples as float32 in [-1, 1]: integer PCM is divided by its type's full scale."""
+    samples = np.asarray(samples)
+    if np.issubdtype(samples.dtype, np.integer):
+        return (samples / (np.iinfo(samples.dtype).max + 1)).astype(np.float32)
+    return samples.astype(np.float32)
+
+
 class Transcriber(Predictor):
     """A trained speech workdir, or a Whisper checkpoint as it is, loaded once, for Python
     prototypes:
@@ -430,11 +443,12 @@ class Transcriber(Predictor):
         super().__init__(SpeechTask, workdir, model=model)
 
     def transcribe(self, clips: Sequence[str | Path | np.ndarray], beam_width: int = 8) -> list[str]:
-        """The transcript of each clip: an audio file, or float samples in [-1, 1] at 16 kHz."""
+        """The transcript of each clip: an audio file, or samples at 16 kHz: floats in [-1, 1],
+        or integer PCM (int16 as WAV files hold it), scaled to [-1, 1]."""
         examples = [
             {"id": None, "audio": None, "path": str(c), "text": "", "voice": None}
             if isinstance(c, (str, Path))
-            else {"id": None, "audio": np.asarray(c, np.float32), "where": f"clip {i}", "text": "", "voice": None}
+            else {"id": None, "audio": as_float_samples(c), "where": f"clip {i}", "text": "", "voice": None}
             for i, c in enumerate(clips, 1)
         ]
         options = self.options({"beam_width": beam_width})

@@ -2,21 +2,26 @@
 
 The speech task takes this path when its model is an encoder-decoder (`model.decoder_layers`
 set: a Whisper checkpoint's `model.pretrained`, which the config adopts, or a model built from
-scratch in Whisper's shape). The encoder reads `tasks.speech.audio.whisper_log_mel` of a 30 s
-window (the clip padded with silence, as Whisper was trained), the decoder the prompt
+scratch in Whisper's shape). The encoder reads `tasks.speech.audio.whisper_log_mel` of a
+window (the clip padded with silence) of `data.max_seconds`, at most 30 s: Whisper was trained
+on 30 s windows, and reads them best zero-shot; a shorter window costs less in proportion (its
+attention, with the square), which fine-tuning on short clips can afford to learn. The decoder
+reads the prompt
 (`core.whisper.Vocabulary.prompt`: start, language, task, no-timestamps) and then the
 transcript's tokens, each predicted from those before; the loss counts the transcript's tokens
 and its end.
 
-Audio longer than one window is cut into windows of at most 30 s, each cut placed at the
-quietest 100 ms of the window's last 5 s (so that a word is rarely split), covering every
+Audio longer than one window is cut into windows, each cut placed at the quietest 100 ms of
+the window's last 5 s (or last half, if shorter; so that a word is rarely split), covering every
 sample once; the windows' transcripts are joined with a space. A window whose no-speech
 probability (the `<|nospeech|>` token's, right after the start token) passes
-`NO_SPEECH_THRESHOLD` gives no text, as Whisper does.
+`NO_SPEECH_THRESHOLD` gives no text, as Whisper does. A window whose text loops or that the
+model doubts is decoded again at rising temperatures, as Whisper's transcribe() does (`transcribe`).
 """
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,29 +29,35 @@ from pathlib import Path
 import numpy as np
 
 from core import whisper
+from core.beam import gnmt_penalty
 from core.encoder_decoder import Start, generate_beams_from_source, generate_from_source
 from core.errors import UserError
 from tasks.common.tokenizer import PretrainedTokenizer
 from tasks.speech import audio as audio_lib
 from tasks.speech.featurizer import clip, describe
 
-WINDOW_SAMPLES = audio_lib.WHISPER_FRAMES * audio_lib.HOP  # 30 s
+WINDOW_SAMPLES = audio_lib.WHISPER_FRAMES * audio_lib.HOP  # 30 s, as Whisper was trained
 SEARCH_SAMPLES = 5 * audio_lib.SAMPLE_RATE  # where a window's cut is looked for: its last 5 s
 QUIET_SAMPLES = audio_lib.SAMPLE_RATE // 10  # the stretch whose energy a cut minimizes: 100 ms
-NO_SPEECH_THRESHOLD = 0.6  # Whisper's own
+NO_SPEECH_THRESHOLD = 0.6  # Whisper's own, as are the fallback's settings below
+FALLBACK_TEMPERATURES = (0.2, 0.4, 0.6, 0.8, 1.0)
+BEST_OF = 5
+COMPRESSION_RATIO_THRESHOLD = 2.4
+LOG_PROB_THRESHOLD = -1.0
 # Whisper's decoder holds 448 positions and its transcribe() writes at most half of them.
 MAX_NEW_TOKENS = 224
 
 
-def cut_windows(samples: np.ndarray) -> list[slice]:
-    """Windows of at most 30 s covering every sample once; each cut but the last falls at the
-    start of the quietest 100 ms within the window's last 5 s."""
+def cut_windows(samples: np.ndarray, window: int = WINDOW_SAMPLES) -> list[slice]:
+    """Windows of at most `window` samples covering every sample once; each cut but the last
+    falls at the start of the quietest 100 ms within the window's last 5 s (or last half)."""
+    search = min(SEARCH_SAMPLES, window // 2)
     cuts, start = [], 0
-    while len(samples) - start > WINDOW_SAMPLES:
-        end = start + WINDOW_SAMPLES
-        region = samples[end - SEARCH_SAMPLES : end].astype(np.float64) ** 2
-        energy = np.convolve(region, np.ones(QUIET_SAMPLES), mode="valid")  # [SEARCH - QUIET + 1]
-        cut = end - SEARCH_SAMPLES + int(np.argmin(energy))
+    while len(samples) - start > window:
+        end = start + window
+        region = samples[end - search : end].astype(np.float64) ** 2
+        energy = np.convolve(region, np.ones(QUIET_SAMPLES), mode="valid")  # [search - QUIET + 1]
+        cut = end - search + int(np.argmin(energy))
         cuts.append(slice(start, cut))
         start = cut
     return [*cuts, slice(start, len(samples))]
@@ -88,8 +99,18 @@ class WhisperFeaturizer:
         where given, else the featurizer's own (English for an English-only model)."""
         return self.vocabulary.decoding(language or self.language or "en", task or self.task)
 
+    @property
+    def window_frames(self) -> int:
+        """The encoder's window in 10 ms frames: `max_seconds`, at most 30 s, rounded to an even
+        count (the stem's second convolution halves it)."""
+        return 2 * max(1, round(min(self.max_seconds, 30.0) * 50))
+
+    @property
+    def window_samples(self) -> int:
+        return self.window_frames * audio_lib.HOP
+
     def frames(self, samples: np.ndarray) -> np.ndarray:
-        return audio_lib.whisper_log_mel(samples, self.mel_bins).astype(np.float16)
+        return audio_lib.whisper_log_mel(samples, self.mel_bins, self.window_frames).astype(np.float16)
 
     def decode(self, ids: Sequence[int]) -> str:
         """The text of generated ids up to the end token (special tokens dropped), without
@@ -100,22 +121,23 @@ class WhisperFeaturizer:
         return self.tokenizer.decode([i for i in ids if i < self.vocabulary.end]).strip()
 
     def __call__(self, examples: Sequence[dict]) -> dict[str, np.ndarray]:
-        """Teacher forcing: each clip's 30 s window and its transcript after the prompt."""
+        """Teacher forcing: each clip's window and its transcript after the prompt."""
         prompt = list(self.decoding().prompt)
         rows = []
         for example in examples:
             samples = clip(example)
-            if len(samples) > min(self.max_seconds, 30.0) * audio_lib.SAMPLE_RATE:
+            if len(samples) > self.window_samples:
                 raise UserError(
                     f"{describe(example)}: the clip is {len(samples) / audio_lib.SAMPLE_RATE:.1f} s long; Whisper "
-                    f"trains on clips of at most {min(self.max_seconds, 30.0):g} s (one window): cut it first."
+                    f"trains on clips of at most one window, {self.window_samples / audio_lib.SAMPLE_RATE:g} s "
+                    "(data.max_seconds, at most 30): cut it first."
                 )
             text = self.tokenizer.pieces([" " + example["text"].strip()])[0] if example["text"].strip() else []
             rows.append((self.frames(samples), [*prompt, *text, self.vocabulary.end]))
         width = max(len(ids) for _, ids in rows) - 1
         arrays = {
             "inputs": np.stack([frames for frames, _ in rows]),
-            "mask": np.ones((len(rows), audio_lib.WHISPER_FRAMES), bool),
+            "mask": np.ones((len(rows), self.window_frames), bool),
             "decoder_inputs": np.zeros((len(rows), width), np.int32),
             "decoder_mask": np.zeros((len(rows), width), bool),
             "targets": np.zeros((len(rows), width), np.int32),
@@ -132,32 +154,86 @@ class WhisperFeaturizer:
 
 
 def transcribe(
-    model, featurizer: WhisperFeaturizer, examples: Sequence[dict], start: Start, beam_width: int, batch_size: int
+    model,
+    featurizer: WhisperFeaturizer,
+    examples: Sequence[dict],
+    start: Start,
+    beam_width: int,
+    batch_size: int,
+    fallback: bool = True,
 ):
     """Each example's transcript after the prompt `start` (`Vocabulary.decoding`: language and
     task), greedy with `beam_width` 1, else beam search as Whisper's (the first W ended beams, by
-    log-probability over length), and, per example, the windows' no-speech probabilities."""
-    vocabulary = featurizer.vocabulary
+    log-probability over length), and, per example, the windows' no-speech probabilities.
+
+    With `fallback`, as Whisper's transcribe(): a window whose text repeats itself (its gzip
+    compression ratio above 2.4: greedy decoding caught in a loop) or whose tokens the model
+    doubts (mean log-probability below -1) is decoded again by sampling at rising temperatures,
+    0.2 to 1.0, the likeliest of 5 samples each, until one passes (or the last is kept)."""
     pieces = []  # (example index, frames)
     for index, example in enumerate(examples):
         samples = clip(example, silence_allowed=True)  # Whisper says itself that a window holds no speech
-        pieces += [(index, featurizer.frames(samples[window])) for window in cut_windows(samples)]
+        windows = cut_windows(samples, featurizer.window_samples)
+        pieces += [(index, featurizer.frames(samples[window])) for window in windows]
+    frames = [f for _, f in pieces]
+    decoded = _decode(model, featurizer, frames, start, batch_size, beam_width=beam_width)
+    # A window that holds no speech gives no text, and is not decoded again.
+    retry = [i for i, (_, _, p) in enumerate(decoded) if p <= NO_SPEECH_THRESHOLD] if fallback else []
+    for step, temperature in enumerate(FALLBACK_TEMPERATURES):
+        retry = [i for i in retry if doubtful(*decoded[i][:2])]
+        if not retry:
+            break
+        samples = _decode(
+            model,
+            featurizer,
+            [frames[i] for i in retry for _ in range(BEST_OF)],
+            start,
+            batch_size,
+            temperature=temperature,
+            seed=step,
+        )
+        for n, i in enumerate(retry):
+            text, log_prob, _ = max(samples[n * BEST_OF : (n + 1) * BEST_OF], key=lambda sample: sample[1])
+            decoded[i] = (text, log_prob, decoded[i][2])
     texts: list[list[str]] = [[] for _ in examples]
     no_speech: list[list[float]] = [[] for _ in examples]
-    settings = {"max_new_tokens": MAX_NEW_TOKENS, "start": start, "stop_tokens": [vocabulary.end]}
-    for first in range(0, len(pieces), batch_size):
-        chunk = pieces[first : first + batch_size]
-        frames = [frames for _, frames in chunk]
+    for (index, _), (text, _, p) in zip(pieces, decoded):
+        no_speech[index].append(p)
+        if p <= NO_SPEECH_THRESHOLD and text:
+            texts[index].append(text)
+    return [" ".join(parts) for parts in texts], no_speech
+
+
+def doubtful(text: str, mean_log_prob: float) -> bool:
+    """Whisper's test for decoding a window again: a text that repeats itself (compresses by
+    more than 2.4 under gzip), or a mean log-probability per token below -1."""
+    data = text.encode()
+    return (bool(data) and len(data) / len(zlib.compress(data)) > COMPRESSION_RATIO_THRESHOLD) or (
+        mean_log_prob < LOG_PROB_THRESHOLD
+    )
+
+
+def _decode(
+    model, featurizer, frames: list, start: Start, batch_size: int, *, beam_width: int = 1, temperature=0.0, seed=0
+) -> list[tuple[str, float, float]]:
+    """(text, mean log-probability per token, the end included; no-speech probability) of each
+    window's frames, decoded in batches: beam search, or sampling (greedy at temperature 0)."""
+    settings = {"max_new_tokens": MAX_NEW_TOKENS, "start": start, "stop_tokens": [featurizer.vocabulary.end]}
+    decoded = []
+    for first in range(0, len(frames), batch_size):
+        chunk = frames[first : first + batch_size]
         if beam_width > 1:
             beams = generate_beams_from_source(
-                model, frames, beam_size=beam_width, length_penalty=1.0, early_stopping=True, **settings
+                model, chunk, beam_size=beam_width, length_penalty=1.0, early_stopping=True, **settings
             )
             tokens, lengths, probe = beams.tokens[:, 0], beams.lengths[:, 0], beams.probe
+            # A beam's score is its log-probability over the length penalty (core.beam).
+            log_probs = beams.scores[:, 0] * gnmt_penalty(lengths, 1.0)
         else:
-            generated = generate_from_source(model, frames, **settings)
-            tokens, lengths, probe = generated.tokens, generated.lengths, generated.probe
-        for (index, _), ids, length, p in zip(chunk, tokens, lengths, probe):
-            no_speech[index].append(float(p))
-            if p <= NO_SPEECH_THRESHOLD:
-                texts[index].append(featurizer.decode(ids[:length]))
-    return [" ".join(t for t in parts if t) for parts in texts], no_speech
+            generated = generate_from_source(model, chunk, temperature=temperature, seed=seed, **settings)
+            tokens, lengths, log_probs, probe = generated
+        for ids, length, log_prob, p in zip(tokens, lengths, log_probs, probe):
+            # Whisper's mean counts the text's tokens and one for the end, reached or not.
+            text_tokens = int(length) - int(length > 0 and ids[length - 1] == featurizer.vocabulary.end)
+            decoded.append((featurizer.decode(ids[:length]), float(log_prob) / (text_tokens + 1), float(p)))
+    return decoded
