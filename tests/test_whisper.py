@@ -276,3 +276,38 @@ def test_fine_tuning_whisper_lowers_the_loss_and_keeps_the_best_by_wer(tmp_path)
     ]
     assert np.mean(losses[-2:]) < np.mean(losses[:2])
     assert (tmp_path / "best").is_dir()
+
+
+def test_a_whisper_shaped_model_trains_from_scratch_with_a_checkpoints_tokenizer(tmp_path):
+    """model.* options alone give Whisper's shape (convolutional stem, sinusoidal encoder
+    positions, a decoder of its own depth); data.whisper_tokenizer names whose tokens it writes
+    and data.max_seconds its window (2 s here: 200 frames, 100 encoder positions)."""
+    import json
+
+    from core import run
+    from tasks.speech.asr import SpeechTask
+
+    installed("whisper-tiny.en")
+    overrides = [
+        "model.decoder_layers=1",
+        "model.norm=layernorm",
+        "model.mlp=gelu_exact",
+        "model.positions=learned",
+        "model.encoder_positions=sinusoidal",
+        "model.bias=true",
+        "model.max_len=256",  # the prompt and Whisper's 224 new tokens
+        "data.max_seconds=2",
+        "data.freq_masks=0",
+        "data.time_masks=0",
+        "train.eval_every=20",
+        "optim.learning_rate=1e-2",
+    ]
+    metrics = run.train(SpeechTask, workdir=tmp_path, preset="tiny", overrides=overrides, data="synthetic")
+    assert {"wer", "cer", "nll"} <= set(metrics)
+    losses = [
+        json.loads(line)["loss"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"loss"' in line
+    ]
+    # From about ln(51,864) = 10.9 nats to about 5 in 20 steps: the transcripts' tokens are learned.
+    assert losses[-1] < losses[0] - 4
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["data"]["whisper_tokenizer"] == "whisper-tiny.en" and config["model"]["decoder_layers"] == 1
