@@ -123,7 +123,9 @@ def digits() -> Config:
 
 def whisper_preset(name: str, checkpoint: str, batch_size: int, learning_rate: float) -> Config:
     """Fine-tuning a shipped Whisper checkpoint (its architecture comes from the file); SpecAugment
-    is an option here (`data.freq_masks`, `data.time_masks`), off as Whisper was trained."""
+    is an option here (`data.freq_masks`, `data.time_masks`), off as Whisper was trained. The
+    window is Whisper's 30 s; on short clips `data.max_seconds=10` trains five times faster
+    (tiny.en on the embedded sentences: 5.1 s a step against 27, README)."""
     return Config(
         task="speech",
         preset=name,
