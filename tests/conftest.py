@@ -6,8 +6,10 @@ must not import this module.)
 """
 
 import gc
+import json
 import logging
 import os
+from pathlib import Path
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -34,6 +36,12 @@ def apps(*args, input: str | None = None, env: dict | None = None) -> Result:
 def plain(text: str) -> str:
     """The text with each run of whitespace one space: rich wraps long messages at any space."""
     return " ".join(text.split())
+
+
+def logged_losses(workdir) -> dict[int, float]:
+    """The training loss of each logged step, from a run's metrics.jsonl."""
+    records = [json.loads(line) for line in (Path(workdir) / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 
 def table_rows(output: str) -> list[list[str]]:

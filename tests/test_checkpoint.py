@@ -13,6 +13,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from conftest import logged_losses
 
 from core import hooks as hooks_lib
 from core import run
@@ -36,11 +37,6 @@ def latest_params(workdir: Path) -> list[np.ndarray]:
         checkpoints.close()
     assert restored.where == "checkpoints/ step 12" or restored.step == 300
     return [np.asarray(leaf) for leaf in jax.tree.leaves(restored.value)]
-
-
-def losses(workdir: Path) -> dict[int, float]:
-    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +130,6 @@ def test_killed_run_resumes_from_its_last_complete_checkpoint(tmp_path):
     assert resumed.returncode == 0 and f"Resuming from checkpoints/ step {max(saved)}" in output, output[-2000:]
     uninterrupted = launch(tmp_path / "straight")
     assert uninterrupted.wait(timeout=300) == 0
-    assert losses(killed) == pytest.approx(losses(tmp_path / "straight"), rel=1e-6)
+    assert logged_losses(killed) == pytest.approx(logged_losses(tmp_path / "straight"), rel=1e-6)
     for ours, theirs in zip(latest_params(killed), latest_params(tmp_path / "straight")):
         np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-7)

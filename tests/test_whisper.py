@@ -11,6 +11,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import logged_losses
 from flax import nnx
 
 from core import ctranslate2_files, pretrained, whisper
@@ -252,12 +253,6 @@ def test_fine_tuning_whisper_lowers_the_loss_and_keeps_the_best_by_wer(tmp_path)
     transcripts falls, and validation reports the greedy transcripts' WER that picks the best.
     The parameters and moments are sharded over the eight simulated devices (train.fsdp=8), which
     otherwise hold eight copies of them in this one process's memory."""
-    import json
-
-    from core import run
-    from tasks.speech.asr import SpeechTask
-
-    installed("whisper-tiny.en")
     overrides = [
         "train.steps=6",
         "train.batch_size=8",
@@ -269,11 +264,7 @@ def test_fine_tuning_whisper_lowers_the_loss_and_keeps_the_best_by_wer(tmp_path)
         "optim.learning_rate=1e-4",
         "optim.warmup_steps=1",
     ]
-    metrics = run.train(SpeechTask, workdir=tmp_path, preset="whisper-tiny", overrides=overrides, data="synthetic")
-    assert {"wer", "cer", "nll"} <= set(metrics)
-    losses = [
-        json.loads(line)["loss"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"loss"' in line
-    ]
+    losses = train_on_synthetic_digits(tmp_path, "whisper-tiny", overrides)
     assert np.mean(losses[-2:]) < np.mean(losses[:2])
     assert (tmp_path / "best").is_dir()
 
@@ -284,10 +275,6 @@ def test_a_whisper_shaped_model_trains_from_scratch_with_a_checkpoints_tokenizer
     and data.max_seconds its window (2 s here: 200 frames, 100 encoder positions)."""
     import json
 
-    from core import run
-    from tasks.speech.asr import SpeechTask
-
-    installed("whisper-tiny.en")
     overrides = [
         "model.decoder_layers=1",
         "model.norm=layernorm",
@@ -302,12 +289,20 @@ def test_a_whisper_shaped_model_trains_from_scratch_with_a_checkpoints_tokenizer
         "train.eval_every=20",
         "optim.learning_rate=1e-2",
     ]
-    metrics = run.train(SpeechTask, workdir=tmp_path, preset="tiny", overrides=overrides, data="synthetic")
-    assert {"wer", "cer", "nll"} <= set(metrics)
-    losses = [
-        json.loads(line)["loss"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"loss"' in line
-    ]
+    losses = train_on_synthetic_digits(tmp_path, "tiny", overrides)
     # From about ln(51,864) = 10.9 nats to about 5 in 20 steps: the transcripts' tokens are learned.
     assert losses[-1] < losses[0] - 4
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["data"]["whisper_tokenizer"] == "whisper-tiny.en" and config["model"]["decoder_layers"] == 1
+
+
+def train_on_synthetic_digits(workdir, preset: str, overrides: list[str]) -> list[float]:
+    """Trains the speech task's `preset` (Whisper-tokenized) on the synthetic digits; checks that
+    validation reports the transcripts' WER, CER and NLL, and returns the logged losses."""
+    from core import run
+    from tasks.speech.asr import SpeechTask
+
+    installed("whisper-tiny.en")
+    metrics = run.train(SpeechTask, workdir=workdir, preset=preset, overrides=overrides, data="synthetic")
+    assert {"wer", "cer", "nll"} <= set(metrics)
+    return list(logged_losses(workdir).values())
