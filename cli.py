@@ -98,8 +98,15 @@ def list_tasks() -> None:
         for option in task.predict_options:
             value = "" if option.type is bool else f" {option.type.__name__.upper()}"  # a switch takes none
             options.add_row(name, option.flag + value, option.help)
+    prompts = Table(title="Prompts of the presets on a pretrained decoder (data.prompt)")
+    for column in ("task", "preset", "prompt"):
+        prompts.add_column(column)
+    for name in sorted(tasks.REGISTRY):
+        for preset, prompt in tasks.get(name).prompts.items():
+            prompts.add_row(name, preset, repr(prompt))
     _console().print(table)
     _console().print(options)
+    _console().print(prompts)
 
 
 @app.command()
@@ -343,7 +350,7 @@ def bench(
         typer.Argument(
             help="Train step configs: small, big (default both); decode: greedy generation on the small "
             "and GPT-2-sized decoders (decode-small, decode-gpt2: one of them); transcribe: Whisper's "
-            "real-time factor (with --model)."
+            "real-time factor (with --model); translate, summarize: each preset's training and decoding speed."
         ),
     ] = None,
     steps: Annotated[int, typer.Option(help="Timed train steps per config, after warm-up.")] = 10,
@@ -363,7 +370,12 @@ def bench(
 
     from core import bench as bench_lib
 
-    if configs == ["transcribe"]:
+    if configs in (["translate"], ["summarize"]):
+        import tasks
+        from tasks.nlp import bench as nlp_bench
+
+        results = {configs[0]: nlp_bench.seq2seq(tasks.get(configs[0]), _console())}
+    elif configs == ["transcribe"]:
         if model is None:
             raise UserError("apps bench transcribe needs --model (whisper-tiny.en, whisper-base).")
         from tasks.speech import bench as speech_bench

@@ -225,15 +225,17 @@ def generate(
     use_cache: bool = True,
     no_repeat_ngram: int = 0,
     word_reward: float = 0.0,
+    width: int | None = None,
 ) -> Generation:
     """Continues each prompt (a sequence of token ids; lengths may differ) by up to
     `max_new_tokens`; see `Sampling` for the choice of tokens. A row stops after its first stop
     token. `seed` is an int or a `jax.random` key. `on_tokens(tokens [B], active [B])` streams
-    each step's tokens to the host as they come. Compiled once per shape and settings."""
+    each step's tokens to the host as they come. Compiled once per shape and settings: `width`
+    pads the prompts to that many positions (a bucket shared by many batches, `core.data.bucket_width`)."""
     sampling, key = sampling_and_key(
         max_new_tokens, temperature, top_k, top_p, stop_tokens, seed, no_repeat_ngram, word_reward
     )
-    tokens, lengths = prepare_prompts(model, prompts, max_new_tokens)
+    tokens, lengths = prepare_prompts(model, prompts, max_new_tokens, width)
     graphdef, params = nnx.split(model)
     outputs = _sample_program(graphdef, sampling, on_tokens, use_cache, params, tokens, lengths, key)
     return Generation(*(np.asarray(x) for x in outputs))
@@ -317,11 +319,13 @@ def generate_beams(
     length_penalty: float = 0.6,
     no_repeat_ngram: int = 0,
     word_reward: float = 0.0,
+    width: int | None = None,
 ) -> Beams:
     """Beam search continuations of each prompt (see `core.beam.beam_search`): -> `Beams` with
-    tokens [B, W, max_new_tokens], lengths [B, W] and scores [B, W], best first, as numpy."""
+    tokens [B, W, max_new_tokens], lengths [B, W] and scores [B, W], best first, as numpy;
+    `width` as `generate`'s."""
     settings = beam_settings(beam_size, max_new_tokens, stop_tokens, length_penalty, no_repeat_ngram, word_reward)
-    tokens, lengths = prepare_prompts(model, prompts, max_new_tokens)
+    tokens, lengths = prepare_prompts(model, prompts, max_new_tokens, width)
     graphdef, params = nnx.split(model)
     return Beams(*(np.asarray(x) for x in _beam_program(graphdef, settings, params, tokens, lengths)))
 
@@ -334,9 +338,11 @@ def _beam_program(graphdef, settings, params, tokens, lengths):
 
 
 def prepare_prompts(
-    model: Model, prompts: Sequence[Sequence[int]], max_new_tokens: int
+    model: Model, prompts: Sequence[Sequence[int]], max_new_tokens: int, width: int | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Right-padded prompt tokens [B, T] and their lengths [B], checked against the model.
+    """Right-padded prompt tokens [B, T] and their lengths [B], checked against the model; T is
+    the longest prompt's length, or `width` where that is given and longer (up to the room the
+    new tokens leave).
 
     A row holds at most `max_len` tokens, the context the model was trained on (a table of
     learned positions ends there; rotary ones were never trained beyond it): prompts longer than
@@ -369,7 +375,7 @@ def prepare_prompts(
             )
             rows[index] = row[-room:]
     lengths = np.array([len(r) for r in rows], np.int32)
-    tokens = np.zeros((len(rows), lengths.max()), np.int32)
+    tokens = np.zeros((len(rows), max(int(lengths.max()), min(width or 0, room))), np.int32)
     for index, row in enumerate(rows):
         tokens[index, : len(row)] = row
     return tokens, lengths

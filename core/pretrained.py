@@ -268,6 +268,31 @@ def architecture(name_or_path: str, **choices) -> ModelConfig:
     return dataclasses.replace(read_checkpoint(name_or_path).model, **choices)
 
 
+def fine_tuning(
+    task: str, preset: str, checkpoint: str, data, *, max_len: int, batch_size: int, eval_batch_size: int, steps: int
+) -> Config:
+    """A preset that fine-tunes `checkpoint`, every weight (`model.lora_rank` for adapters): a
+    small learning rate after a short warm-up, no dropout or weight decay (a few hundred steps
+    on a few thousand examples), two validations and checkpoints."""
+    from core.config import OptimConfig, TrainConfig
+
+    return Config(
+        task=task,
+        preset=preset,
+        model=architecture(checkpoint, max_len=max_len, dropout=0.0),
+        optim=OptimConfig(learning_rate=1e-4, warmup_steps=10, end_lr_ratio=0.1, weight_decay=0.0, b2=0.95),
+        train=TrainConfig(
+            batch_size=batch_size,
+            eval_batch_size=eval_batch_size,
+            steps=steps,
+            eval_every=steps // 2,
+            checkpoint_every=steps // 2,
+            log_every=5,
+        ),
+        data=data,
+    )
+
+
 def adopt(config: Config, preset: Config) -> Config:
     """`config` with the architecture of its `model.pretrained` checkpoint (if any).
 

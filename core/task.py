@@ -128,6 +128,8 @@ class Task(abc.ABC):
     default_preset: ClassVar[str]
     # The frozen dataclass type of `Config.data` for this task.
     data_type: ClassVar[type]
+    # The prompts of the presets that prompt a pretrained decoder, by preset (`apps tasks` shows them).
+    prompts: ClassVar[dict[str, str]] = {}
 
     config: Config
     data: str | None

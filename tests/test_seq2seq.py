@@ -127,7 +127,7 @@ def test_mbr_chooses_among_greedy_beam_and_samples(translate_run):
     model = nnx.merge(loaded.steps.graphdef, loaded.params)
     # translate's own defaults: its penalties shape greedy and beam, not the samples.
     options = read_predict_options(task.predict_options, {}, "translate")
-    assert options["no_repeat_ngram"] and options["word_reward"]
+    assert options["no_repeat_ngram"] is None and task.config.data.no_repeat_ngram and task.config.data.word_reward
     examples = task.parse_inputs(texts, options)
     unshaped = {"beams": 1, "temperature": 0.7, "no_repeat_ngram": 0, "word_reward": 0.0}
     decoded = [

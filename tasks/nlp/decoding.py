@@ -3,6 +3,7 @@ penalties of `core.penalties`, minimum Bayes risk) and the minimum-Bayes-risk ch
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
@@ -12,13 +13,17 @@ from core import penalties
 from core.task import PredictOption
 
 
-def decoding_options(no_repeat_ngram: int = 0, word_reward: float = 0.0) -> tuple[PredictOption, ...]:
-    """`apps predict`'s options of a seq2seq task, with the task's defaults of the penalties
-    (`core.penalties`), which it tunes on its valid split."""
+def decoding_options() -> tuple[PredictOption, ...]:
+    """`apps predict`'s options of a seq2seq task. The penalties (`core.penalties`) default to
+    the run's own (`data.no_repeat_ngram`, `data.word_reward`), which a preset tunes on the valid
+    split for its model: None here stands for them."""
     return (
         PredictOption("beams", int, 4, "beam search with this many beams (1: greedy or sampling)"),
         PredictOption("length_penalty", float, 0.6, "beam search: GNMT length penalty exponent"),
-        *penalties.options(no_repeat_ngram, word_reward),
+        *(
+            dataclasses.replace(option, default=None, help=f"{option.help}; default: the run's data.{option.name}")
+            for option in penalties.options()
+        ),
         PredictOption("temperature", float, 0.0, "with --beams 1: softmax temperature; 0 is greedy"),
         PredictOption("seed", int, 0, "random seed of the sampling"),
         PredictOption(

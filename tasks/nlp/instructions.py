@@ -135,8 +135,8 @@ def pack(examples: Sequence[tuple[list[int], list[bool]]], max_len: int, pad: in
     cut = sum(len(ids) > max_len + 1 for ids, _ in examples)
     if cut:
         log.warning(
-            "%d of %d examples are longer than a row (model.max_len=%d) and keep their first %d ids; bits per "
-            "character still count their whole answers.",
+            "%d of %d examples are longer than a row (model.max_len=%d) and keep their first %d ids: the loss "
+            "sees only the part of an answer within them.",
             cut,
             len(examples),
             max_len,

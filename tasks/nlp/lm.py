@@ -85,20 +85,9 @@ def fine_tuned(checkpoint: str, preset: str, steps: int, eval_batch_size: int) -
     """A pretrained decoder fine-tuned on the corpus, every weight (`model.lora_rank` for
     adapters): rows of 512 tokens (about 1,700 characters of verse), 4 a step, a small learning
     rate after a warm-up, two validations on each valid work's first 20,000 characters."""
-    return Config(
-        task="lm",
-        preset=preset,
-        model=pretrained.architecture(checkpoint, max_len=512, dropout=0.0),
-        optim=OptimConfig(learning_rate=1e-4, warmup_steps=10, end_lr_ratio=0.1, weight_decay=0.0, b2=0.95),
-        train=TrainConfig(
-            batch_size=4,
-            eval_batch_size=eval_batch_size,
-            steps=steps,
-            eval_every=steps // 2,
-            checkpoint_every=steps // 2,
-            log_every=5,
-        ),
-        data=LMData(valid_chars=20_000),
+    data = LMData(valid_chars=20_000)
+    return pretrained.fine_tuning(
+        "lm", preset, checkpoint, data, max_len=512, batch_size=4, eval_batch_size=eval_batch_size, steps=steps
     )
 
 

@@ -13,11 +13,17 @@ presets), over batches of similar lengths (the task's `trim`); the best checkpoi
 with the lowest validation `nll` (unsmoothed, nats per target piece). `apps eval` then decodes
 the split greedily and with beam search and scores the text (the task's `score_generated`)
 beside a classical baseline.
+
+A run whose model is causal (`--preset smollm2`, `gemma3`: a pretrained decoder) takes the
+decoder-only route instead (`tasks.nlp.completion`): each pair becomes a prompt (`data.prompt`,
+the source written in) and its completion, the loss on the completion alone; evaluation also
+reports the checkpoint zero-shot, with the same prompt, as a baseline.
 """
 
 from __future__ import annotations
 
 import abc
+import dataclasses
 import gzip
 import json
 import logging
@@ -29,15 +35,18 @@ from typing import Any, ClassVar, Literal, Protocol
 import numpy as np
 from flax import nnx
 
-from core import losses, penalties
+from core import losses, penalties, pretrained
 from core import metrics as metric_lib
 from core.config import Config, DataConfig, ModelConfig, OptimConfig, TrainConfig, require
 from core.data import decoding_batches
 from core.encoder_decoder import EncoderDecoder, Start, generate_beams_from_source, generate_from_source
 from core.errors import UserError
 from core.heads import CopyOutput, CopyProjection, Projection, TiedOutput, TokenEmbedder
-from core.task import PredictOption, Task, scored_positions
-from tasks.common.tokenizer import BOS, EOS, PAD, Tokenizer
+from core.task import PredictOption, Task, read_predict_options, scored_positions
+from core.transformer import Model, Transformer
+from tasks.common.tokenizer import BOS, EOS, PAD, PretrainedTokenizer, Tokenizer
+from tasks.nlp import completion
+from tasks.nlp.completion import SOURCE, CompletionFeaturizer
 from tasks.nlp.decoding import decoding_options, minimum_bayes_risk
 from tasks.nlp.freedict import word_by_word
 from tasks.nlp.pairs import read_pairs, split_pairs, synthetic_pairs
@@ -62,6 +71,16 @@ class Seq2SeqData(DataConfig):
     # A pointer-generator output (core.heads.CopyOutput): each target piece may be copied from
     # the source's pieces as well as generated; needs shared_vocab.
     copy: bool = False
+    # The decoder-only route's prompt (tasks.nlp.completion): the source stands where {source}
+    # is (and, for translate, its dictionary gloss where {gloss} is). None: the encoder-decoder.
+    prompt: str | None = None
+    # The penalties (core.penalties) of the decodings, unless `apps predict` sets them.
+    no_repeat_ngram: int = 0
+    word_reward: float = 0.0
+    # The valid split keeps its first `valid_size` examples (None: all): a pretrained decoder
+    # reads a few hundred tokens a second here, and validation during training need not read
+    # thousands of prompts each time. The test split is always whole.
+    valid_size: int | None = None
 
     def __post_init__(self):
         for key in ("vocab_size", "source_len", "target_len"):
@@ -70,6 +89,13 @@ class Seq2SeqData(DataConfig):
         require(self.max_len_b >= 0, "data.max_len_b", self.max_len_b, "must not be negative")
         require(
             not self.copy or self.shared_vocab, "data.copy", self.copy, "copies source pieces: needs data.shared_vocab"
+        )
+        require(self.valid_size is None or self.valid_size > 0, "data.valid_size", self.valid_size, "must be positive")
+        require(
+            self.prompt is None or SOURCE in self.prompt,
+            "data.prompt",
+            self.prompt,
+            f"must hold {SOURCE}, where the source text goes",
         )
 
 
@@ -90,6 +116,16 @@ def preset(task: str, name: str, model: ModelConfig, data: Seq2SeqData, steps: i
             log_every=max(steps // 40, 1),
         ),
         data=data,
+    )
+
+
+def decoder_preset(task: str, name: str, checkpoint: str, data: Seq2SeqData, steps: int) -> Config:
+    """A pretrained decoder fine-tuned on prompt / completion pairs (`data.prompt`; see
+    `core.pretrained.fine_tuning`): rows of 256 tokens, 8 a step, validated on the valid split's
+    first 256 pairs."""
+    data = dataclasses.replace(data, valid_size=256)
+    return pretrained.fine_tuning(
+        task, name, checkpoint, data, max_len=256, batch_size=8, eval_batch_size=16, steps=steps
     )
 
 
@@ -157,6 +193,11 @@ class Seq2SeqFeaturizer:
     @property
     def shared(self) -> bool:
         return self.source.vocabulary is self.target
+
+    @property
+    def glossary(self) -> dict[str, str] | None:
+        """The glossary whose glosses the encoder reads, if any."""
+        return getattr(self.source, "glossary", None)
 
     def save(self, directory: Path) -> None:
         self.source.save(directory)
@@ -233,20 +274,69 @@ class Seq2SeqTask(Task):
     data_type: ClassVar[type] = Seq2SeqData
     default_preset: ClassVar[str] = "base"
     generates: ClassVar[bool] = True
-    token_masks: ClassVar[tuple[str, ...]] = ("mask", "decoder_mask")
-    trim: ClassVar[dict[str, tuple[str, ...]]] = {
-        "mask": ("inputs",),
-        "decoder_mask": ("decoder_inputs", "targets", "target_mask"),
-    }
+    # A pretrained decoder's preset translates or summarizes zero-shot too (`--model NAME`).
+    zero_shot: ClassVar[bool] = True
     predict_options: ClassVar[tuple[PredictOption, ...]] = decoding_options()
     evaluated_decodings: ClassVar[dict[str, dict[str, Any]]] = {"greedy": {"beams": 1}, "beam": {"beams": 4}}
 
     config: Config
     data: str | None = None
 
+    def __post_init__(self):
+        if self.decoder_only and self.config.data.prompt is None:
+            raise UserError(
+                f"A decoder-only {self.name} model (model.causal) reads a prompt: give data.prompt, with {SOURCE} "
+                "where the source goes (the smollm2 and gemma3 presets have theirs)."
+            )
+
+    @property
+    def decoder_only(self) -> bool:
+        """Whether the run takes the decoder-only route (tasks.nlp.completion)."""
+        return self.config.model.causal
+
+    @property
+    def token_masks(self) -> tuple[str, ...]:
+        return ("mask",) if self.decoder_only else ("mask", "decoder_mask")
+
+    @property
+    def trim(self) -> dict[str, tuple[str, ...]]:
+        """Packed rows are full; the encoder-decoder's batches are cut to their longest source and target."""
+        if self.decoder_only:
+            return {}
+        return {"mask": ("inputs",), "decoder_mask": ("decoder_inputs", "targets", "target_mask")}
+
+    def route(self) -> str:
+        """The protocol's words on the decoder-only route (empty for the encoder-decoder)."""
+        if not self.decoder_only:
+            return ""
+        model = self.config.model.pretrained or "a decoder trained here"
+        return (
+            f"; decoder-only: {model} reads the prompt {self.config.data.prompt!r} (the chat template's user turn "
+            "where the checkpoint has one), the loss on the completion and its end token, pairs packed into rows "
+            f"of {self.config.model.max_len}"
+        )
+
     @abc.abstractmethod
     def pairs(self) -> Sequence[tuple[str, str]]:
         """All (source, target) pairs of the embedded default, before the split."""
+
+    @abc.abstractmethod
+    def text_baselines(self, train, test, featurizer) -> dict[str, dict]:
+        """The task's classical baselines, scored as `score_generated` scores the model."""
+
+    def baselines(self, train, test, featurizer) -> dict[str, dict]:
+        """The classical baselines, and for a pretrained decoder the checkpoint as it is (before
+        any fine-tuning) with the same prompt, decoded greedily: what a user would try first."""
+        found = self.text_baselines(train, test, featurizer)
+        name = self.config.model.pretrained
+        if self.decoder_only and name is not None:
+            from core.train import build_model
+
+            model = build_model(self, featurizer, self.config, from_pretrained=True)
+            options = {**read_predict_options(self.predict_options, {}, self.name), "beams": 1, "temperature": 0.0}
+            generated = {"text": self.decode_texts(model, featurizer, test, options)}
+            found[f"zero_shot ({name}, greedy)"] = self.score_generated(generated, test, featurizer)
+        return found
 
     def examples(self, split: str) -> list[dict]:
         options = self.config.data
@@ -256,14 +346,25 @@ class Seq2SeqTask(Task):
             pairs = self.pairs()
         else:
             pairs = read_pairs(self.data, options.source_column, options.target_column)
-        return split_pairs(pairs, split, options.direction)
+        examples = split_pairs(pairs, split, options.direction)
+        return examples[: options.valid_size] if split == "valid" else examples
 
     def glossary(self, train: Sequence[dict]) -> dict[str, str] | None:
         """The word -> translation map whose glosses the encoder reads (None: sources alone)."""
         return None
 
-    def fit_featurizer(self, train: Sequence[dict]) -> Seq2SeqFeaturizer:
+    def fit_featurizer(self, train: Sequence[dict]) -> Seq2SeqFeaturizer | CompletionFeaturizer:
         options = self.config.data
+        if self.decoder_only:
+            # A checkpoint used as it is (`--model`) is fitted on no examples; its glossary still
+            # comes from the training split.
+            train = train or self.examples("train")
+            return self._completion_featurizer(self._decoder_tokenizer(train), self.glossary(train))
+        if self.config.model.pretrained is not None:
+            raise UserError(
+                f"{self.config.model.pretrained} is not a decoder: the encoder-decoder route of {self.name} trains "
+                "from scratch, and the decoder-only one reads a causal checkpoint (--preset smollm2)."
+            )
         sources, targets = [e["source"] for e in train], [e["target"] for e in train]
         if options.shared_vocab:
             source = target = Tokenizer.train(sources + targets, options.vocab_size)
@@ -272,10 +373,31 @@ class Seq2SeqTask(Task):
         text = TextSource(source, options.source_len, self.glossary(train))
         return Seq2SeqFeaturizer(text, target, options.target_len)
 
-    def load_featurizer(self, directory: Path) -> Seq2SeqFeaturizer:
-        return Seq2SeqFeaturizer.load_text(directory, self.config.data.source_len, self.config.data.target_len)
+    def _decoder_tokenizer(self, train: Sequence[dict]) -> Tokenizer | PretrainedTokenizer:
+        """The checkpoint's tokenizer, or for a decoder built here one trained on both sides."""
+        if self.config.model.pretrained is not None:
+            return PretrainedTokenizer.from_checkpoint(self.config.model.pretrained)
+        texts = [text for e in train for text in (e["source"], e["target"])]
+        return Tokenizer.train(texts, self.config.data.vocab_size, "bpe", lossless=True)
 
-    def model(self, featurizer: Seq2SeqFeaturizer, config: Config, rngs: nnx.Rngs) -> EncoderDecoder:
+    def _completion_featurizer(self, tokenizer, glossary) -> CompletionFeaturizer:
+        data = self.config.data
+        return CompletionFeaturizer(
+            tokenizer, data.prompt, data.source_len, data.target_len, self.config.model.max_len, glossary
+        )
+
+    def load_featurizer(self, directory: Path) -> Seq2SeqFeaturizer | CompletionFeaturizer:
+        data = self.config.data
+        if self.decoder_only:
+            return CompletionFeaturizer.load(
+                directory, data.prompt, data.source_len, data.target_len, self.config.model.max_len
+            )
+        return Seq2SeqFeaturizer.load_text(directory, data.source_len, data.target_len)
+
+    def model(self, featurizer, config: Config, rngs: nnx.Rngs) -> EncoderDecoder | Model:
+        if self.decoder_only:
+            embedder = TokenEmbedder(featurizer.tokenizer.vocab_size, config.model.d_model, rngs=rngs)
+            return Model(embedder, Transformer(config.model, remat=config.train.remat, rngs=rngs), TiedOutput(embedder))
         d_model = config.model.d_model
         source = featurizer.source.embedder(d_model, rngs)
         target = source if featurizer.shared else TokenEmbedder(featurizer.target.vocab_size, d_model, rngs=rngs)
@@ -304,7 +426,7 @@ class Seq2SeqTask(Task):
             raise UserError(f"--beams {options['beams']}: must be at least 1 (1 is greedy, more search).")
         if options["mbr"] < 0:
             raise UserError(f"--mbr {options['mbr']}: must be at least 0 (0 is off).")
-        sources = featurizer.source(examples)
+        sources = examples if self.decoder_only else featurizer.source(examples)
         if not options["mbr"]:
             return {"text": self.decode_texts(model, featurizer, sources, options)}
         if options["mbr_temperature"] <= 0:
@@ -320,11 +442,16 @@ class Seq2SeqTask(Task):
             candidates.append(self.decode_texts(model, featurizer, sources, options))
         return {"text": minimum_bayes_risk(list(zip(*candidates, *samples)), list(zip(*samples)))}
 
-    def decode_texts(self, model, featurizer: Seq2SeqFeaturizer, sources: list[np.ndarray], options: dict) -> list[str]:
-        """The target text of each source (token ids) by one decoding: beam search, or greedy /
-        sampled with beams 1. Sources go in batches of `train.eval_batch_size` of similar lengths,
-        padded to a `core.data.bucket_width` (few compiled shapes)."""
+    def decode_texts(self, model, featurizer, sources: list, options: dict) -> list[str]:
+        """The target text of each source (token ids; for the decoder-only route, the examples)
+        by one decoding: beam search, or greedy / sampled with beams 1. Sources go in batches of
+        `train.eval_batch_size` of similar lengths, padded to a `core.data.bucket_width` (few
+        compiled shapes)."""
         batch_size, data = self.config.train.eval_batch_size, self.config.data
+        # A penalty left unset is the run's own (data.no_repeat_ngram, data.word_reward).
+        options = {key: getattr(data, key) if value is None else value for key, value in options.items()}
+        if self.decoder_only:
+            return completion.decode_texts(model, featurizer, sources, options, data, batch_size)
         texts: list[str] = [""] * len(sources)
         lengths = [len(source) for source in sources]
         for rows, filled, width in decoding_batches(lengths, batch_size, data.source_len):
