@@ -119,13 +119,15 @@ def preset(task: str, name: str, model: ModelConfig, data: Seq2SeqData, steps: i
     )
 
 
-def decoder_preset(task: str, name: str, checkpoint: str, data: Seq2SeqData, steps: int) -> Config:
+def decoder_preset(
+    task: str, name: str, checkpoint: str, data: Seq2SeqData, steps: int, eval_batch_size: int = 16
+) -> Config:
     """A pretrained decoder fine-tuned on prompt / completion pairs (`data.prompt`; see
     `core.pretrained.fine_tuning`): rows of 256 tokens, 8 a step, validated on the valid split's
-    first 256 pairs."""
+    first 256 pairs; evaluation and decoding go `eval_batch_size` rows at a time."""
     data = dataclasses.replace(data, valid_size=256)
     return pretrained.fine_tuning(
-        task, name, checkpoint, data, max_len=256, batch_size=8, eval_batch_size=16, steps=steps
+        task, name, checkpoint, data, max_len=256, batch_size=8, eval_batch_size=eval_batch_size, steps=steps
     )
 
 
@@ -339,6 +341,11 @@ class Seq2SeqTask(Task):
         return found
 
     def examples(self, split: str) -> list[dict]:
+        examples = self.whole_split(split)
+        return examples[: self.config.data.valid_size] if split == "valid" else examples
+
+    def whole_split(self, split: str) -> list[dict]:
+        """The split's every pair (`examples` keeps the valid split's first `data.valid_size`)."""
         options = self.config.data
         if self.data == "synthetic":
             pairs = synthetic_pairs()
@@ -346,8 +353,7 @@ class Seq2SeqTask(Task):
             pairs = self.pairs()
         else:
             pairs = read_pairs(self.data, options.source_column, options.target_column)
-        examples = split_pairs(pairs, split, options.direction)
-        return examples[: options.valid_size] if split == "valid" else examples
+        return split_pairs(pairs, split, options.direction)
 
     def glossary(self, train: Sequence[dict]) -> dict[str, str] | None:
         """The word -> translation map whose glosses the encoder reads (None: sources alone)."""

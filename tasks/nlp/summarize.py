@@ -52,8 +52,10 @@ PROMPTS = {"smollm2": "Write a short title for this product review.\n\n{source}"
 
 
 def smollm2():
-    """SmolLM2-135M-Instruct fine-tuned to title reviews: a review and its title are some 140
-    tokens with the chat template, and 120 steps of 8 rows of 256 read about 12,000 of them (XXX)."""
+    """SmolLM2-135M-Instruct fine-tuned to title reviews. A review and its title are some 140
+    tokens with the chat template, and the model trains on about 175 tokens a second here: 90
+    steps of 8 rows of 256 (about 1,300 reviews, 7% of the split) take 21 minutes with the two
+    validations. Test ROUGE-1 14.9 greedy, against 9.4 for the encoder-decoder."""
     data = Seq2SeqData(source_len=128, target_len=24, max_len_a=0.0, max_len_b=24, prompt=PROMPTS["smollm2"])
     return decoder_preset("summarize", "smollm2", "smollm2-135m-instruct", data, steps=90)
 
