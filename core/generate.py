@@ -241,6 +241,32 @@ def generate(
     return Generation(*(np.asarray(x) for x in outputs))
 
 
+def best_continuations(
+    model: Model, prompts: Sequence[Sequence[int]], options: dict, on_tokens: OnTokens | None = None, **settings
+) -> tuple[np.ndarray, np.ndarray]:
+    """Each prompt's continuation (tokens [B, N], lengths [B]) under a task's `apps predict`
+    options: the best beam with options["beams"] > 1, else a sample at options["temperature"]
+    (top_k / top_p where the options have them; 0 and 1 are off). `settings`: the keyword
+    arguments both generators take (max_new_tokens, stop_tokens, penalties, width)."""
+    if options["beams"] > 1:
+        beams = generate_beams(
+            model, prompts, beam_size=options["beams"], length_penalty=options["length_penalty"], **settings
+        )
+        return beams.tokens[:, 0], beams.lengths[:, 0]
+    top_k, top_p = options.get("top_k", 0), options.get("top_p", 1.0)
+    result = generate(
+        model,
+        prompts,
+        temperature=options["temperature"],
+        top_k=None if top_k == 0 else top_k,
+        top_p=None if top_p == 1 else top_p,
+        seed=options["seed"],
+        on_tokens=on_tokens,
+        **settings,
+    )
+    return result.tokens, result.lengths
+
+
 def sampling_and_key(
     max_new_tokens: int,
     temperature: float,

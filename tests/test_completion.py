@@ -34,6 +34,17 @@ def base_tokenizer(tmp_path_factory):
     return PretrainedTokenizer.from_checkpoint(str(path))  # no template, as Gemma 3 base's
 
 
+def train_and_evaluate(workdir, options: list[str]) -> dict:
+    """`apps train translate --preset tiny` on the synthetic pairs with `options` (--set each),
+    then `apps eval`: the test split's scores."""
+    settings = [arg for option in options for arg in ("--set", option)]
+    result = apps("train", "translate", "--preset", "tiny", "--data", "synthetic", "--workdir", workdir, *settings)
+    assert result.exit_code == 0, result.output
+    result = apps("eval", "translate", "--workdir", workdir, "--data", "synthetic")
+    assert result.exit_code == 0, result.output
+    return json.loads((workdir / "eval_test.json").read_text())
+
+
 def scored(batch: dict, row: int = 0) -> list[int]:
     return batch["targets"][row][batch["target_mask"][row]].tolist()
 
@@ -119,12 +130,7 @@ def test_a_pretrained_decoder_fine_tunes_predicts_and_is_scored_beside_itself_ze
         "train.batch_size=8",
         "train.eval_batch_size=8",
     ]
-    settings = [arg for option in options for arg in ("--set", option)]
-    result = apps("train", "translate", "--preset", "tiny", "--data", "synthetic", "--workdir", workdir, *settings)
-    assert result.exit_code == 0, result.output
-    result = apps("eval", "translate", "--workdir", workdir, "--data", "synthetic")
-    assert result.exit_code == 0, result.output
-    scores = json.loads((workdir / "eval_test.json").read_text())
+    scores = train_and_evaluate(workdir, options)
     assert set(scores) >= {"greedy", "beam", "nll"} and "mbr" not in scores
     assert f"zero_shot ({tiny}, greedy)" in scores["baselines"] and "copy_source" in scores["baselines"]
     result = apps("predict", "translate", "--workdir", workdir, "red cat", "--beams", "1")
@@ -148,10 +154,5 @@ def test_a_small_decoder_learns_the_synthetic_pairs(tmp_path):
         "train.eval_every=300",
         "optim.learning_rate=3e-3",
     ]
-    settings = [arg for option in options for arg in ("--set", option)]
-    result = apps("train", "translate", "--preset", "tiny", "--data", "synthetic", "--workdir", workdir, *settings)
-    assert result.exit_code == 0, result.output
-    result = apps("eval", "translate", "--workdir", workdir, "--data", "synthetic")
-    assert result.exit_code == 0, result.output
-    scores = json.loads((workdir / "eval_test.json").read_text())
+    scores = train_and_evaluate(workdir, options)
     assert scores["greedy"]["chrf"] > 90 and scores["baselines"]["copy_source"]["chrf"] < 30

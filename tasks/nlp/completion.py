@@ -149,16 +149,7 @@ def decode_texts(model, featurizer: CompletionFeaturizer, examples: Sequence[dic
             )
         batch = [prompts[i] for i in filled]
         settings = {"max_new_tokens": new, "stop_tokens": stops, "width": width, **penalties.from_options(options)}
-        if options["beams"] > 1:
-            beams = generation.generate_beams(
-                model, batch, beam_size=options["beams"], length_penalty=options["length_penalty"], **settings
-            )
-            tokens, lengths = beams.tokens[:, 0], beams.lengths[:, 0]
-        else:
-            result = generation.generate(
-                model, batch, temperature=options["temperature"], seed=options["seed"], **settings
-            )
-            tokens, lengths = result.tokens, result.lengths
+        tokens, lengths = generation.best_continuations(model, batch, options, **settings)
         for i, row, length in zip(rows, tokens, lengths):
             texts[i] = featurizer.text(prompts[i], row[:length])
     return texts

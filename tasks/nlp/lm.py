@@ -348,23 +348,7 @@ class LMTask(Task):
             **penalties.from_options(options),
         }
         stream = None if on_text is None else _Stream(featurizer, prompts[0], on_text, stops)
-        if options["beams"] > 1:
-            beams = generation.generate_beams(
-                model, prompts, beam_size=options["beams"], length_penalty=options["length_penalty"], **settings
-            )
-            tokens, lengths = beams.tokens[:, 0], beams.lengths[:, 0]
-        else:
-            result = generation.generate(
-                model,
-                prompts,
-                temperature=options["temperature"],
-                top_k=None if options["top_k"] == 0 else options["top_k"],
-                top_p=None if options["top_p"] == 1 else options["top_p"],
-                seed=options["seed"],
-                on_tokens=stream,
-                **settings,
-            )
-            tokens, lengths = result.tokens, result.lengths
+        tokens, lengths = generation.best_continuations(model, prompts, options, stream, **settings)
         new = [row[:length][~np.isin(row[:length], stops)] for row, length in zip(tokens, lengths)]
         texts = [featurizer.continuation(prompt, ids) for prompt, ids in zip(prompts, new)]
         if stream is not None:
