@@ -1,4 +1,4 @@
-"""The `apps` command line: tasks, train, eval, predict, report, bench, embed.
+"""The `apps` command line: tasks, train, seeds, eval, predict, report, bench, embed.
 
 JAX and the task modules are imported inside the commands so that `apps --help` answers at
 once. A `UserError` from anywhere below is printed as one paragraph with exit code 1.
@@ -37,10 +37,75 @@ DataOpt = Annotated[
 ]
 
 
+FormatOpt = Annotated[
+    str,
+    typer.Option(
+        "--format",
+        help="table (for people), or json, jsonl or csv (every field in full, for a program to read).",
+    ),
+]
+OutputOpt = Annotated[Optional[Path], typer.Option("--output", "-o", help="Write to this file, not to stdout.")]
+FORMATS = ("table", "json", "jsonl", "csv")
+
+
 def _console():
     from rich.console import Console
 
     return Console(highlight=False)
+
+
+def _check_format(form: str) -> None:
+    if form not in FORMATS:
+        raise UserError(f"--format {form!r}: expected one of {', '.join(FORMATS)}.")
+
+
+def _write(tables: dict[str, list[dict]], form: str, output: Path | None, document=None) -> None:
+    """Writes `tables` (title: rows, each a dict of column: value) to stdout or `output`: as
+    rich tables whose cells fold rather than cut; as one JSON document (`document` if given,
+    else the rows, or title: rows for several tables); as JSON lines; or as CSV. Rows of several
+    tables carry their title in a `table` field (JSON lines, CSV)."""
+    import csv
+    import io
+    import json
+
+    from rich.console import Console
+    from rich.table import Table
+
+    _check_format(form)
+    several = len(tables) > 1
+    rows = [{"table": title, **row} if several else row for title, rows in tables.items() for row in rows]
+    text = io.StringIO()
+    if form == "table":
+        console = _console() if output is None else Console(file=text, highlight=False, width=160)
+        for title, table_rows in tables.items():
+            table = Table(title=title)
+            for column in dict.fromkeys(key for row in table_rows for key in row):
+                table.add_column(column, overflow="fold")
+            for row in table_rows:
+                table.add_row(*(_cell(value) for value in row.values()))
+            console.print(table)
+    elif form == "json":
+        whole = document if document is not None else {t: r for t, r in tables.items()} if several else rows
+        text.write(json.dumps(whole, ensure_ascii=False, indent=2) + "\n")
+    elif form == "jsonl":
+        text.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+    else:
+        writer = csv.DictWriter(text, fieldnames=list(dict.fromkeys(key for row in rows for key in row)))
+        writer.writeheader()
+        writer.writerows({key: _cell(value) for key, value in row.items()} for row in rows)
+    if output is None:
+        sys.stdout.write(text.getvalue())  # empty for tables, printed by the console
+        sys.stdout.flush()
+        return
+    try:
+        output.write_text(text.getvalue(), encoding="utf-8")
+    except OSError as error:
+        raise UserError(f"--output {output}: cannot be written ({error.strerror or error}).") from None
+    typer.echo(f"Wrote {output}.", err=True)
+
+
+def _cell(value) -> str:
+    return f"{value:.4f}" if isinstance(value, float) else "" if value is None else str(value)
 
 
 @app.callback()
@@ -53,22 +118,34 @@ def main() -> None:
 
 
 def user_errors(command):
-    """Prints a UserError as a message and exits 1, without a traceback."""
+    """Prints a UserError (or a device out-of-memory error, `core.memory.explain`) as a message and
+    exits 1, without a traceback."""
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
         try:
             return command(*args, **kwargs)
         except UserError as error:
-            typer.secho(f"Error: {error}", fg=typer.colors.RED, err=True)
-            if isinstance(error, LostPeer):
-                # Skips JAX's exit handler, which would wait for the lost process and then abort.
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(1)
-            raise typer.Exit(1) from None
+            _fail(error)
+        except Exception as error:
+            from core import memory
+
+            explained = memory.explain(error)  # a device out of memory: the figures and the knobs
+            if explained is None:
+                raise
+            _fail(explained)
 
     return wrapper
+
+
+def _fail(error: UserError):
+    typer.secho(f"Error: {error}", fg=typer.colors.RED, err=True)
+    if isinstance(error, LostPeer):
+        # Skips JAX's exit handler, which would wait for the lost process and then abort.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    raise typer.Exit(1) from None
 
 
 def _task(name: str) -> type:
@@ -79,34 +156,38 @@ def _task(name: str) -> type:
 
 @app.command("tasks")
 @user_errors
-def list_tasks() -> None:
-    """List the tasks with their default data, model, metrics and presets."""
-    from rich.table import Table
-
+def list_tasks(form: FormatOpt = "table", output: OutputOpt = None) -> None:
+    """List the tasks with their default data, model, metrics and presets, the options of
+    `apps predict` and the prompts of the presets on a pretrained decoder."""
     import tasks
 
-    table = Table(title="Tasks")
-    options = Table(title="apps predict TASK options")
-    for column in ("task", "what", "default data", "model", "metrics", "presets"):
-        table.add_column(column)
-    for column in ("task", "option", "help"):
-        options.add_column(column)
+    _check_format(form)
+    listed, options, prompts = [], [], []
     for name in sorted(tasks.REGISTRY):
         task = tasks.get(name)
         presets = ", ".join(f"{p}*" if p == task.default_preset else p for p in task.presets)
-        table.add_row(name, task.summary, task.default_data, task.model_summary, ", ".join(task.metric_names), presets)
+        fields = {
+            "what": task.summary,
+            "default data": task.default_data,
+            "model": task.model_summary,
+            "metrics": ", ".join(task.metric_names),
+            "presets": presets,
+        }
+        if form == "table":  # two columns, the fields one a line: it reads at 80 columns
+            what = fields.pop("what")
+            fields = {"about": "\n".join([what, *(f"{key}: {value}" for key, value in fields.items())])}
+        listed.append({"task": name, **fields})
         for option in task.predict_options:
             value = "" if option.type is bool else f" {option.type.__name__.upper()}"  # a switch takes none
-            options.add_row(name, option.flag + value, option.help)
-    prompts = Table(title="Prompts of the presets on a pretrained decoder (data.prompt)")
-    for column in ("task", "preset", "prompt"):
-        prompts.add_column(column)
-    for name in sorted(tasks.REGISTRY):
-        for preset, prompt in tasks.get(name).prompts.items():
-            prompts.add_row(name, preset, repr(prompt))
-    _console().print(table)
-    _console().print(options)
-    _console().print(prompts)
+            options.append({"task": name, "option": option.flag + value, "help": option.help})
+        for preset, prompt in task.prompts.items():
+            prompts.append({"task": name, "preset": preset, "prompt": repr(prompt) if form == "table" else prompt})
+    tables = {
+        "Tasks (* the default preset)": listed,
+        "apps predict TASK options": options,
+        "Prompts of the presets on a pretrained decoder (data.prompt)": prompts,
+    }
+    _write(tables, form, output)
 
 
 @app.command()
@@ -140,6 +221,37 @@ def train(
     typer.echo(f"Run saved in {workdir}.")
 
 
+@app.command("seeds")
+@user_errors
+def seeds_command(
+    task: TaskArg,
+    seeds: Annotated[int, typer.Option("--seeds", help="How many seeds: train.seed 0 to N-1.")] = 3,
+    workdir: Annotated[
+        Optional[Path], typer.Option("--workdir", "-w", help="Folder of the runs, one per seed (seed0, ...).")
+    ] = None,
+    preset: Annotated[Optional[str], typer.Option(help="Preset name (default: the task's default preset).")] = None,
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override KEY=VALUE; repeatable.")] = None,
+    data: DataOpt = None,
+    form: FormatOpt = "table",
+    output: OutputOpt = None,
+) -> None:
+    """Train TASK's preset once per seed, score each on the test split, and show every metric's
+    mean and spread; finished seeds are read back, so a rerun regenerates the table."""
+    _check_format(form)
+    if seeds < 1:
+        raise UserError(f"--seeds {seeds}: give at least 1.")
+    task_type = _task(task)
+    _show_task_log()
+    from core import seeds as seeds_lib
+
+    workdir = workdir or Path("runs") / "seeds" / task
+    result = seeds_lib.across_seeds(
+        task_type, range(seeds), workdir, preset=preset, overrides=set_ or [], data=data, console=_console()
+    )
+    title = f"{task} ({result['preset']}): test split, {seeds} seed(s), from {workdir}"
+    _write({title: result["rows"]}, form, output, result)
+
+
 @app.command("eval")
 @user_errors
 def evaluate(
@@ -156,9 +268,13 @@ def evaluate(
     preset: Annotated[
         Optional[str], typer.Option(help="With --model: the preset whose data and lengths it is scored with.")
     ] = None,
+    form: FormatOpt = "table",
+    output: OutputOpt = None,
 ) -> None:
     """Score the best checkpoint of WORKDIR on a split; writes WORKDIR/eval_<split>.json. With
-    --model, a pretrained checkpoint as it is (written into --workdir if given)."""
+    --model, a pretrained checkpoint as it is (written into --workdir if given). --format json
+    writes that same report."""
+    _check_format(form)
     if split not in ("valid", "test"):
         raise UserError(f"--split {split!r}: expected valid or test.")
     if preset is not None and model is None:
@@ -170,15 +286,16 @@ def evaluate(
     if model is None:
         workdir = workdir or Path("runs") / task
     result = run.evaluate(task_type, workdir, split=split, data=data, model=model, preset=preset)
+    report = dict(result)
     # Generated text scored per decoding (greedy, beam), then the baselines: one column each.
     columns = {
         name: result.pop(name) for name in list(result) if name != "baselines" and isinstance(result[name], dict)
     }
     columns.update(result.pop("baselines", {}))
     title = f"{task} on {split} ({result.pop('checkpoint')}): {result.pop('dataset')}; {result.pop('protocol')}"
-    _print_metrics(title, result, columns)
+    _print_metrics(title, result, columns, form, output, report)
     if workdir is not None:
-        typer.echo(f"Wrote {workdir / f'eval_{split}.json'}.")
+        typer.echo(f"Wrote {workdir / f'eval_{split}.json'}.", err=form != "table")
 
 
 @app.command(context_settings={"ignore_unknown_options": True})
@@ -200,8 +317,11 @@ def predict(
             "(lm: smollm2-135m-instruct), a .gguf file or a Hugging Face folder."
         ),
     ] = None,
+    form: FormatOpt = "table",
+    output: OutputOpt = None,
 ) -> None:
     """Predict with the best checkpoint of WORKDIR (or a pretrained --model)."""
+    _check_format(form)
     task_type = _task(task)
     if model is not None and workdir is not None:
         raise UserError("Give --workdir (a trained run) or --model (a pretrained checkpoint), not both.")
@@ -211,13 +331,12 @@ def predict(
     if not lines and sys.stdin is not None and not sys.stdin.isatty():
         lines = _stdin_lines()
     _show_task_log()
-    from rich.table import Table
-
     from core import run
 
-    # One prompt of a task that streams (lm): its continuation is written to the terminal as the
-    # decode loop produces it, after the prompt, which is shown once generation has started (not
-    # before a mistake). Other tasks, and several inputs, print a table.
+    # One prompt of a task that streams (lm), shown as a table: its continuation is written to
+    # the terminal as the decode loop produces it, after the prompt, which is shown once
+    # generation has started (not before a mistake). Other tasks, several inputs, and output for
+    # a program or a file are written whole (`_write`).
     shown = []
 
     def write(text: str) -> None:
@@ -228,18 +347,13 @@ def predict(
         sys.stdout.write(text)
         sys.stdout.flush()
 
-    streams = task_type.generates and len(lines) == 1
+    streams = task_type.generates and len(lines) == 1 and form == "table" and output is None
     source = {"model": model} if model is not None else {"workdir": workdir or Path("runs") / task}
     rows = run.predict(task_type, lines=lines, options=options, on_text=write if streams else None, **source)
     if shown:
         write("\n")
         return
-    table = Table()
-    for column in rows[0]:
-        table.add_column(column)
-    for row in rows:
-        table.add_row(*row.values())
-    _console().print(table)
+    _write({f"{task}: predictions": rows}, form, output)
 
 
 @app.command()
@@ -416,21 +530,22 @@ def _stdin_lines() -> list[str]:
     return lines
 
 
-def _print_metrics(title: str, metrics: dict, columns: dict | None = None) -> None:
-    """A table of the model's metrics beside other columns (decodings, baselines) of metrics."""
-    from rich.table import Table
-
-    columns = columns or {}
-    table = Table(title=title)
-    table.add_column("metric")
-    table.add_column("model", justify="right")
-    for name in columns:
-        table.add_column(name, justify="right")
-    rows = [key for values in (metrics, *columns.values()) for key, value in values.items() if isinstance(value, float)]
-    for key in dict.fromkeys(rows):
-        cells = [metrics, *columns.values()]
-        table.add_row(key, *(f"{c[key]:.4f}" if isinstance(c.get(key), float) else "" for c in cells))
-    _console().print(table)
+def _print_metrics(
+    title: str,
+    metrics: dict,
+    columns: dict | None = None,
+    form: str = "table",
+    output: Path | None = None,
+    document=None,
+) -> None:
+    """A table of the model's metrics beside other columns (decodings, baselines) of metrics:
+    one row a metric (`_write`'s formats; `document` is the JSON one)."""
+    cells = {"model": metrics, **(columns or {})}
+    names = [key for values in cells.values() for key, value in values.items() if isinstance(value, float)]
+    rows = [
+        {"metric": key, **{column: values.get(key) for column, values in cells.items()}} for key in dict.fromkeys(names)
+    ]
+    _write({title: rows}, form, output, document)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,11 @@
-"""Orbax checkpoints of a run, and the workdir's small JSON files.
+"""Orbax checkpoints of a run, the workdir's small JSON files, and its writer lock.
 
-A workdir holds `config.json`, `featurizer/`, `checkpoints/` (the latest two training states,
-for resuming), `best/` (the parameters alone of the best validation step, for eval and
-predict) and `metrics.jsonl`. Each checkpoint has the items `params` and, in `checkpoints/`,
-`training` (optimizer state and step), so that eval and predict read parameters only.
+A workdir holds `config.json`, `data.json` (what it was trained on: `core.run`), `train.lock`
+(`writer_lock`), `featurizer/`, `checkpoints/` (the latest two training states, for resuming),
+`best/` (the parameters alone of the best validation step, for eval and predict) and
+`metrics.jsonl`. Each checkpoint has the items
+`params` and, in `checkpoints/`, `training` (optimizer state and step), so that eval and
+predict read parameters only.
 
 Saves are synchronous and orbax writes each one to a temporary folder that it renames when
 complete, so a killed run leaves its last completed checkpoint intact. A checkpoint that
@@ -14,10 +16,15 @@ step can be saved again.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
+import os
 import shutil
+import socket
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +35,7 @@ import orbax.checkpoint as ocp
 from core.errors import UserError
 
 log = logging.getLogger("apps")
+LOCK = "train.lock"
 
 
 class _ReadOnlyNotice(logging.Filter):
@@ -172,6 +180,56 @@ class Checkpoints:
     def close(self) -> None:
         self.latest.close()
         self.best.close()
+
+
+@contextmanager
+def writer_lock(workdir: Path) -> Iterator[None]:
+    """Holds `workdir`'s writer lock (`train.lock`) for a training run: a second `apps train`
+    into it stops at once, naming the process that trains there. An advisory `flock`, which the
+    kernel releases when its process ends however it ends; the file keeps the holder's name
+    until a clean exit empties it, so a run that finds a name in a free lock knows that the
+    process before it died, and says so. Eval and predict take no lock: they read a run that is
+    training. In a multi-process run, process 0 holds it for all."""
+    if jax.process_index() != 0:
+        yield
+        return
+    workdir.mkdir(parents=True, exist_ok=True)
+    handle = open(workdir / LOCK, "a+", encoding="utf-8")
+    try:
+        handle.seek(0)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = handle.read().strip() or "another process"
+            raise UserError(
+                f"{workdir} is being trained by {holder}: wait for it to end, stop it, or train into another --workdir."
+            ) from None
+        previous = handle.read().strip()
+        if previous:
+            log.warning(
+                "%s was last trained by %s, which ended without releasing it; taking it over.", workdir, previous
+            )
+        handle.seek(0)
+        handle.truncate()
+        started = time.strftime("%Y-%m-%d %H:%M:%S")
+        handle.write(f"process {os.getpid()} on {socket.gethostname()} (since {started})")
+        handle.flush()
+        yield
+        handle.seek(0)
+        handle.truncate()
+    finally:
+        handle.close()
+
+
+def read_json(path: Path, remedy: str) -> Any:
+    """A workdir's JSON file, or a `UserError` that names it, says what is wrong and `remedy`
+    (what to do): a crash while an older version wrote it, or a hand edit."""
+    try:
+        return json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise UserError(f"{path} is not valid JSON ({error}): {remedy}") from None
+    except OSError as error:
+        raise UserError(f"{path} cannot be read ({error.strerror or error}): {remedy}") from None
 
 
 def write_json(path: Path, value: Any) -> None:

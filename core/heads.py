@@ -82,6 +82,18 @@ class Projection(NamedTuple):
     def logits(self) -> jax.Array:
         return jnp.einsum("BTD,VD->BTV", self.hidden, self.weight.astype(self.hidden.dtype)).astype(jnp.float32)
 
+    def predictions(self, chunk: int = 256) -> jax.Array:
+        """The likeliest id at each position [B, T], `chunk` positions at a time: a metric's
+        argmax never holds the [B, T, V] logits whole (2 GB for 8 rows of 256 at Gemma's vocabulary)."""
+        *lead, D = self.hidden.shape
+        flat = self.hidden.reshape(-1, D)
+        rows = flat.shape[0]
+        chunk = min(chunk, rows)
+        chunks = jnp.pad(flat, ((0, (-rows) % chunk), (0, 0))).reshape(-1, chunk, D)
+        weight = self.weight.astype(self.hidden.dtype)
+        ids = jax.lax.map(lambda hidden: jnp.argmax(hidden @ weight.T, axis=-1), chunks)
+        return ids.reshape(-1)[:rows].reshape(lead)
+
 
 class TiedOutput(nnx.Module):
     """Output over a vocabulary through the input embedding table itself: -> `Projection`."""
@@ -132,6 +144,9 @@ class CopyProjection(NamedTuple):
             self.attention, self.tokens
         )
         return mix(self.gate[..., None], generated, copied)
+
+    def predictions(self) -> jax.Array:
+        return self.logits().argmax(-1)
 
 
 def mix(gate: jax.Array, generated: jax.Array, copied: jax.Array) -> jax.Array:

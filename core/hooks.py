@@ -14,6 +14,10 @@ stops the clock, after waiting for the steps so far, which belong to the current
 from __future__ import annotations
 
 import json
+import os
+import signal
+import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -27,7 +31,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from core import sharding
-from core.checkpoint import Checkpoints, write_json
+from core.checkpoint import Checkpoints, read_json, write_json
 from core.errors import UserError
 
 
@@ -211,8 +215,16 @@ class KeepBest:
         self.path = workdir / "best.json"
         self.selector, self.sign = selector, -1.0 if lower_is_better else 1.0
         self.console = console
-        self.best = json.loads(self.path.read_text())["value"] if self.path.exists() else None
+        self.best = self._read_best() if self.path.exists() else None
         self.metrics: dict[str, float] = {}  # the latest validation's
+
+    def _read_best(self) -> float:
+        best = read_json(self.path, "delete it to let the resumed run choose its best step anew.")
+        if not (isinstance(best, dict) and isinstance(best.get("value"), (int, float))):
+            raise UserError(
+                f"{self.path} holds no numeric best value: delete it to let the resumed run choose its best step anew."
+            )
+        return best["value"]
 
     def __call__(self, info: StepInfo) -> None:
         step = info.step
@@ -247,3 +259,44 @@ class SaveCheckpoint:
         if self.saved is None:
             return f"No checkpoint was saved in {self.workdir} yet; {again} to start over."
         return f"The checkpoint of step {self.saved} in {self.workdir} is intact; {again} to resume from it."
+
+
+class Preemption:
+    """SIGTERM and SIGINT while training, as cluster schedulers send them (SLURM, Kubernetes)
+    and a person types them: the first asks the run to stop after the step it is in, which it
+    checkpoints (`requested`); a second exits at once. Installed only from the main thread (the
+    only one Python delivers signals to), and the previous handlers come back on exit.
+
+    The processes of a multi-process run must stop at one step, since saving is collective: the
+    request rides in each training batch's "stop" column, whose maximum the train step reduces
+    with its gradients (`core.train.fit`), so a signal to any process stops all of them a few
+    steps later (the batches placed ahead, then one step), with no collective of its own that
+    a lost peer could hang."""
+
+    def __init__(self, console: Console):
+        self.console, self.signal = console, None
+        self.previous: dict[int, Any] = {}
+
+    def __enter__(self) -> Preemption:
+        if threading.current_thread() is threading.main_thread():
+            for number in (signal.SIGTERM, signal.SIGINT):
+                self.previous[number] = signal.signal(number, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for number, handler in self.previous.items():
+            signal.signal(number, handler)
+
+    def _handle(self, number: int, frame) -> None:
+        name = signal.Signals(number).name
+        if self.signal is not None:
+            sys.stderr.write(f"\n{name} again: exiting at once, without a checkpoint.\n")
+            sys.stderr.flush()
+            os._exit(128 + number)
+        self.signal = name
+        sys.stderr.write(f"\n{name}: stopping after this step, with a checkpoint ({name} again exits at once).\n")
+        sys.stderr.flush()
+
+    def requested(self) -> str | None:
+        """The signal that asked this run to stop, if one did."""
+        return self.signal

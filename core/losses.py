@@ -37,21 +37,27 @@ def linear_cross_entropy(
     targets: jax.Array,
     weights: jax.Array,
     label_smoothing: float = 0.0,
-    chunk: int = 1024,
+    chunk: int = 256,
 ) -> tuple[jax.Array, jax.Array]:
     """`cross_entropy(hidden @ weight.T, targets, weights, label_smoothing)` without
-    materializing the logits.
+    materializing the logits, and without computing them where the weight is 0.
 
-    hidden [..., D], weight [V, D] (an output projection or a tied embedding table). Rows are
-    processed `chunk` at a time, and each chunk's gradients with respect to `hidden` and
-    `weight` are formed right after its softmax, while the chunk's logits are still in cache;
-    the [N, V] logits and their gradient never exist whole. Same FLOPs as the plain form.
+    hidden [..., D], weight [V, D] (an output projection or a tied embedding table). The
+    weighted positions are moved first (a stable sort: padding, and the prompts of prompt /
+    completion pairs, whose loss counts nothing), then rows are processed `chunk` at a time,
+    and a chunk of weights all 0 is skipped: the [V, D] products scale with the positions the
+    loss counts, not with all the positions read (a fine-tuning row's prompt is most of it).
+    Each chunk's gradients with respect to `hidden` and `weight` are formed right after its
+    softmax, while the chunk's logits are still in cache; the [N, V] logits and their gradient
+    never exist whole.
     """
     D = hidden.shape[-1]
-    flat_hidden, flat_targets = hidden.reshape(-1, D), targets.reshape(-1)
     flat_weights = weights.astype(jnp.float32).reshape(-1)
+    counted_first = jnp.argsort(flat_weights == 0, stable=True)
+    flat_hidden = hidden.reshape(-1, D)[counted_first]
+    flat_targets = targets.reshape(-1)[counted_first]
     chunk = min(chunk, flat_hidden.shape[0])
-    total = _fused_ce(flat_hidden, weight, flat_targets, flat_weights, float(label_smoothing), chunk)
+    total = _fused_ce(flat_hidden, weight, flat_targets, flat_weights[counted_first], float(label_smoothing), chunk)
     return total, flat_weights.sum()
 
 
@@ -118,7 +124,10 @@ def _ce_chunk(h, weight, t, w, smoothing: float, with_grads: bool, weight_grads:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _fused_ce(hidden, weight, targets, weights, smoothing, chunk):
     def body(total, inputs):
-        return total + _ce_chunk(inputs[0], weight, inputs[1], inputs[2], smoothing, with_grads=False)[0], None
+        def add(total):
+            return total + _ce_chunk(inputs[0], weight, inputs[1], inputs[2], smoothing, with_grads=False)[0]
+
+        return jax.lax.cond(jnp.any(inputs[2] != 0), add, lambda total: total, total), None
 
     inputs = (_chunks(hidden, chunk), _chunks(targets, chunk), _chunks(weights, chunk))
     return jax.lax.scan(body, jnp.zeros((), jnp.float32), inputs)[0]
@@ -132,12 +141,16 @@ def _fused_ce_forward(hidden, weight, targets, weights, smoothing, chunk):
     hidden, weight, targets, weights = (x.value for x in (hidden, weight, targets, weights))
 
     def body(carry, inputs):
-        total, grad_weight = carry
-        loss, grad_hidden, grad_w = _ce_chunk(
-            inputs[0], weight, inputs[1], inputs[2], smoothing, with_grads=True, weight_grads=weight_grads
-        )
-        grad_weight = grad_weight + grad_w.astype(jnp.float32) if weight_grads else grad_weight
-        return (total + loss, grad_weight), grad_hidden
+        def add(carry):
+            total, grad_weight = carry
+            loss, grad_hidden, grad_w = _ce_chunk(
+                inputs[0], weight, inputs[1], inputs[2], smoothing, with_grads=True, weight_grads=weight_grads
+            )
+            grad_weight = grad_weight + grad_w.astype(jnp.float32) if weight_grads else grad_weight
+            return (total + loss, grad_weight), grad_hidden
+
+        # A chunk that counts nothing (sorted last) costs nothing: its hidden gradient is 0.
+        return jax.lax.cond(jnp.any(inputs[2] != 0), add, lambda carry: (carry, jnp.zeros_like(inputs[0])), carry)
 
     inputs = (_chunks(hidden, chunk), _chunks(targets, chunk), _chunks(weights, chunk))
     init = (jnp.zeros((), jnp.float32), jnp.zeros(weight.shape if weight_grads else (), jnp.float32))

@@ -15,9 +15,13 @@ Streamed = dict[str, tuple[jax.Array, jax.Array]]
 
 def accuracy(logits: jax.Array, targets: jax.Array, weights: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Weighted count of argmax hits, and the weight."""
+    return hits(logits.argmax(-1), targets, weights)
+
+
+def hits(predicted: jax.Array, targets: jax.Array, weights: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Weighted count of predicted ids equal to the targets, and the weight."""
     weights = weights.astype(jnp.float32)
-    hits = (logits.argmax(-1) == targets).astype(jnp.float32)
-    return (hits * weights).sum(), weights.sum()
+    return ((predicted == targets).astype(jnp.float32) * weights).sum(), weights.sum()
 
 
 def add(total: Streamed | None, update: Streamed) -> Streamed:

@@ -10,7 +10,6 @@ print(run.report("runs/sentiment"))  # best step, its metrics, and runs/sentimen
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import time
@@ -25,9 +24,9 @@ from jax.experimental import multihost_utils
 from rich.console import Console
 
 from core import data as data_lib
-from core import host, pretrained, sharding, transfer
+from core import host, memory, pretrained, sharding, transfer
 from core import report as report_lib
-from core.checkpoint import Checkpoints, write_json
+from core.checkpoint import Checkpoints, read_json, write_json, writer_lock
 from core.config import Config, apply_overrides
 from core.errors import UserError
 from core.task import read_predict_options
@@ -80,21 +79,33 @@ def train(
     config = make_config(task_type, preset, overrides)
     data_lib.check_batch_size(config.train.batch_size, "train.batch_size", config.train.grad_accum)
     data_lib.check_batch_size(config.train.eval_batch_size, "train.eval_batch_size")
-    config_path = workdir / "config.json"
+    with writer_lock(workdir):
+        return _train(task_type(config=config, data=data), workdir, console)
+
+
+def _train(task, workdir: Path, console: Console) -> dict[str, float]:
+    config, config_path = task.config, workdir / "config.json"
     if config_path.exists():
-        saved = Config.from_dict(json.loads(config_path.read_text()), task_type.data_type)
+        saved = _saved_config(config_path, type(task))
         if saved != config:
             raise UserError(
                 f"{workdir} holds a run with another configuration (see {config_path}). Resume it with the "
                 "same --preset and --set options, or choose a new --workdir."
             )
-    task = task_type(config=config, data=data)
+        recorded = _recorded_data(workdir, check=False)
+        if (workdir / DATA_RECORD).exists() and _data_record(task.data)["data"] != recorded:
+            raise UserError(
+                f"{workdir} holds a run trained on {recorded or 'the default data'}: resume it with "
+                f"{f'--data {recorded}' if recorded else 'no --data'}, or choose a new --workdir."
+            )
     started = time.perf_counter()
     train_examples = _examples(task, "train")
     # The featurizer's barrier is the first collective; `fit` names the checkpoint to resume from.
     with sharding.lost_peers(lambda: f"Restart all {jax.process_count()} processes with the same command."):
         featurizer = _featurizer(task, train_examples, workdir)
+    console.print(f"{task.name}: {memory.check(task, featurizer, config).describe()}.")
     if jax.process_index() == 0 and not config_path.exists():
+        write_json(workdir / DATA_RECORD, _data_record(task.data))
         write_json(config_path, config.to_dict())
     valid_examples = _examples(task, "valid")
     train_arrays, valid_arrays = task.featurize_train(featurizer, train_examples), featurizer(valid_examples)
@@ -136,6 +147,10 @@ def _featurizer(task, train_examples: list[dict], workdir: Path):
     """The run's featurizer: loaded from the workdir, or fitted once (by process 0 in a
     multi-process run, while the others wait) and saved there for every process to load."""
     directory = workdir / "featurizer"
+    if jax.process_index() == 0 and not (workdir / "config.json").exists():
+        # Left by a run refused before it began (its config is written once the memory check
+        # passes): fitted again, since the options may have changed since.
+        shutil.rmtree(directory, ignore_errors=True)
     if jax.process_index() == 0 and not directory.exists():
         # Fitted into a temporary folder and renamed: a killed run never leaves half a featurizer.
         temporary = workdir / "featurizer.tmp"
@@ -146,7 +161,72 @@ def _featurizer(task, train_examples: list[dict], workdir: Path):
         log.info("Fitted the featurizer on %d train examples and saved it in %s.", len(train_examples), directory)
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices("featurizer saved")
-    return task.load_featurizer(directory)
+    return _load_featurizer(task, directory)
+
+
+def _load_featurizer(task, directory: Path):
+    """`task.load_featurizer`, whose files a crash or a hand edit may have damaged: one message
+    naming the folder (fitted into a temporary folder and renamed, it is whole or absent)."""
+    if not directory.is_dir():
+        raise UserError(f"{directory} is missing: the run's featurizer is gone; train again into a new --workdir.")
+    try:
+        return task.load_featurizer(directory)
+    except UserError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError, EOFError, RuntimeError) as error:
+        raise UserError(
+            f"The featurizer in {directory} cannot be read ({type(error).__name__}: {error}); "
+            "restore the folder, or train again into a new --workdir."
+        ) from None
+
+
+# What a run was trained on (`--data`), so that eval and predict read the same data by default.
+DATA_RECORD = "data.json"
+
+
+def _data_record(data: str | None) -> dict:
+    """`--data` as recorded: a local file by its absolute path, size and modification time (to
+    tell when it changed), a hub name or a task's keyword as given, None for the default data."""
+    if data is None or not Path(data).is_file():
+        return {"data": data}
+    path = Path(data).resolve()
+    stat = path.stat()
+    return {"data": str(path), "size": stat.st_size, "modified": stat.st_mtime}
+
+
+def _recorded_data(workdir: Path, check: bool = True) -> str | None:
+    """The `--data` the run in `workdir` was trained on (None: the task's default, or a run from
+    before runs recorded it). With `check`, a recorded file that vanished is an error and one
+    that changed a warning, each naming it."""
+    path = workdir / DATA_RECORD
+    if not path.exists():
+        return None
+    record = read_json(path, f"restore it, or give --data (it records what {workdir} was trained on).")
+    data = record.get("data") if isinstance(record, dict) else None
+    if not check or "size" not in record:
+        return data
+    if not Path(data).is_file():
+        raise UserError(
+            f"{workdir} was trained on {data}, which is gone: restore it, or give --data to score other data."
+        )
+    now = _data_record(data)
+    if (now["size"], now["modified"]) != (record["size"], record["modified"]):
+        log.warning("%s changed since %s was trained on it; reading it as it is now.", data, workdir)
+    return data
+
+
+def _saved_config(path: Path, task_type: type) -> Config:
+    """The run's config.json, or a message naming it when it is damaged or of another task."""
+    remedy = "restore it, or train again into a new --workdir."
+    raw = read_json(path, remedy)
+    if not isinstance(raw, dict):
+        raise UserError(f"{path} is not a run's configuration (a JSON object): {remedy}")
+    if raw.get("task") != task_type.name:
+        raise UserError(f"{path.parent} holds a {raw.get('task')} run, not {task_type.name}.")
+    try:
+        return Config.from_dict(raw, task_type.data_type)
+    except (TypeError, KeyError, ValueError, AttributeError) as error:
+        raise UserError(f"{path} is not a run's configuration ({error}): {remedy}") from None
 
 
 def load(task_type: type, workdir: str | Path, data: str | None = None) -> Loaded:
@@ -158,12 +238,9 @@ def load(task_type: type, workdir: str | Path, data: str | None = None) -> Loade
             f"{workdir} holds no trained run (no config.json): train one with "
             f"`apps train {task_type.name} --workdir {workdir}`."
         )
-    raw = json.loads(config_path.read_text())
-    if raw.get("task") != task_type.name:
-        raise UserError(f"{workdir} holds a {raw.get('task')} run, not {task_type.name}.")
-    config = Config.from_dict(raw, task_type.data_type)
-    task = task_type(config=config, data=data)
-    featurizer = task.load_featurizer(workdir / "featurizer")
+    config = _saved_config(config_path, task_type)
+    task = task_type(config=config, data=data if data is not None else _recorded_data(workdir))
+    featurizer = _load_featurizer(task, workdir / "featurizer")
     # A LoRA run's checkpoints hold its adapters and head: the body comes from the pretrained checkpoint.
     model = build_model(task, featurizer, config, from_pretrained=config.model.lora_rank > 0)
     steps = make_steps(task, model, config, config.train.steps, training=False)
@@ -287,12 +364,16 @@ class Predictor:
         predictions for them; a generating task streams the first input's new text to `on_text`."""
         values = self.options(options)
         examples = self.task.parse_inputs(inputs, values)
+        return examples, self.run_examples(examples, values, on_text)
+
+    def run_examples(self, examples: list[dict], values: dict[str, Any], on_text=None) -> dict[str, Any]:
+        """The task's predictions for parsed examples under every option's value (`options`)."""
         if self.task.generates:
-            return examples, self.task.generate(self.model, self.featurizer, examples, values, on_text)
+            return self.task.generate(self.model, self.featurizer, examples, values, on_text)
         _, predictions = evaluate_arrays(
             self.loaded.steps, self.loaded.params, self.featurizer(examples), self.task.config.train.eval_batch_size
         )
-        return examples, predictions
+        return predictions
 
     def predict(
         self, inputs: Sequence[str], on_text: Callable[[str], None] | None = None, **options

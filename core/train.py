@@ -34,7 +34,7 @@ from core import metrics as metrics_lib
 from core.checkpoint import Checkpoints
 from core.config import Config, TrainConfig
 from core.errors import UserError
-from core.hooks import Hooks, KeepBest, Logger, LogLoss, SaveCheckpoint, ShowProgress, StepInfo, Window
+from core.hooks import Hooks, KeepBest, Logger, LogLoss, Preemption, SaveCheckpoint, ShowProgress, StepInfo, Window
 from core.optim import optimizer
 from core.task import Task
 
@@ -188,11 +188,16 @@ def _gradients(task: Task, forward: Callable, grad_accum: int) -> Callable:
 
 
 def _train_step(task: Task, forward: Callable, tx: optax.GradientTransformation, train: TrainConfig) -> Callable:
-    """train_step(state, frozen, batch) -> (the state after one optimizer update, {"loss", "grad_norm"})."""
+    """train_step(state, frozen, batch) -> (the state after one optimizer update, {"loss", "grad_norm"},
+    and "stop" when the batch has a "stop" column: whether any process asked the run to stop)."""
     gradients = _gradients(task, forward, train.grad_accum)
     base_key = jax.random.key(train.seed)
 
     def train_step(state, frozen, batch):
+        # Each process's rows carry its stop request (`Preemption`): their maximum is one more
+        # reduction in the step's own collectives, so every process learns of a signal to any.
+        stop = batch.get("stop")
+        batch = {key: value for key, value in batch.items() if key != "stop"}
         params = state["params"]
         grads, total, weight = gradients(params, frozen, batch, jax.random.fold_in(base_key, state["step"]))
         # Sums over the global batch divided by its true weight: exact under any sharding.
@@ -200,7 +205,8 @@ def _train_step(task: Task, forward: Callable, tx: optax.GradientTransformation,
         grads = jax.tree.map(lambda g: g / weight, grads)
         updates, opt_state = tx.update(grads, state["opt_state"], params)
         new_state = {"params": optax.apply_updates(params, updates), "opt_state": opt_state, "step": state["step"] + 1}
-        return new_state, {"loss": total / weight, "grad_norm": optax.tree.norm(grads)}
+        logs = {"loss": total / weight, "grad_norm": optax.tree.norm(grads)}
+        return new_state, logs if stop is None else {**logs, "stop": jnp.max(stop)}
 
     return train_step
 
@@ -248,8 +254,8 @@ def fit(
         state, start = restored.value, restored.step
         console.print(f"Resuming from {restored.where} in {workdir}.")
     keep_best = KeepBest(validate, checkpoints, logger, workdir, task.best_metric, task.lower_is_better, console)
-    window = Window()
-    batches = _placed_batches(task, featurizer, steps.mesh, train_arrays, train, start, window)
+    window, preemption = Window(), Preemption(console)
+    batches = _placed_batches(task, featurizer, steps.mesh, train_arrays, train, start, window, preemption)
     log_loss = LogLoss(window, logger)
     progress = ShowProgress(console, train.steps, log_loss)
     save = SaveCheckpoint(checkpoints, workdir, start if restored is not None else None)
@@ -262,13 +268,24 @@ def fit(
     step = start
     try:
         # Every step, validation and save runs collectives: a lost process fails whichever comes next.
-        with sharding.lost_peers(save.resume_advice), progress.shown(start):
+        with sharding.lost_peers(save.resume_advice), progress.shown(start), preemption:
             window.restart()
+            asked = None  # the previous step's verdict on a stop request, read once this one is queued
             while step < train.steps:
                 state, logs = steps.train_step(state, next(batches))
                 step += 1
                 hooks.run(StepInfo(step, state, logs))
-    except KeyboardInterrupt:
+                # Every process reads the same verdict after the same step, so all stop at one step
+                # and save it together; reading the previous step's never leaves the devices idle.
+                if asked is not None:
+                    sharding.wait(asked)  # a lost peer's failure is raised at once, not hung on
+                    if int(asked) and step < train.steps:
+                        if save.saved != step:
+                            save(StepInfo(step, state, logs))
+                        by = preemption.requested() or "a signal to another process of the run"
+                        raise UserError(f"Stopped by {by} at step {step}. {save.resume_advice()}")
+                asked = logs["stop"]
+    except KeyboardInterrupt:  # a SIGINT outside the steps (while compiling, say)
         raise UserError(f"Interrupted at step {step}. {save.resume_advice()}") from None
     finally:
         checkpoints.close()
@@ -276,15 +293,24 @@ def fit(
 
 
 def _placed_batches(
-    task: Task, featurizer, mesh: Mesh, arrays: data_lib.Arrays, train: TrainConfig, start: int, window: Window
+    task: Task,
+    featurizer,
+    mesh: Mesh,
+    arrays: data_lib.Arrays,
+    train: TrainConfig,
+    start: int,
+    window: Window,
+    preemption: Preemption,
 ) -> Iterator[dict]:
     """The training batches from step `start` on, placed on the devices ahead of the steps; the
-    `window` counts the examples and tokens of each."""
+    `window` counts the examples and tokens of each, and a "stop" column carries whether this
+    process was asked to stop by the time the batch was placed."""
 
     def place(batch):
         tokens = sum(int(batch[key].sum()) for key in task.token_masks)
         window.placed(len(batch["weights"]) * jax.process_count(), tokens * jax.process_count())
-        return sharding.global_batch(mesh, batch)
+        stop = np.full(len(batch["weights"]), preemption.requested() is not None, np.int32)
+        return sharding.global_batch(mesh, {**batch, "stop": stop})
 
     augment = functools.partial(task.augment, featurizer=featurizer)
     batches = data_lib.train_batches(arrays, train.batch_size, train.seed, start, augment, task.trim)

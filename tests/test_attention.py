@@ -39,6 +39,23 @@ def test_blockwise_matches_xla(causal, length, heads, key_value_heads):
 
 
 @pytest.mark.parametrize("causal", [False, True])
+def test_blockwise_in_bfloat16_gives_bfloat16_gradients_of_the_float32_form(causal):
+    rng = np.random.default_rng(7)
+    q, k, v, cotangent = (jnp.asarray(rng.standard_normal((2, 96, 2, 8), np.float32)) for _ in range(4))
+    mask = jnp.ones((2, 96), bool)
+
+    def loss(implementation):
+        return lambda q, k, v: (
+            attention(q, k, v, mask, causal=causal, implementation=implementation).astype(jnp.float32) * cotangent
+        ).sum()
+
+    low = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+    for a, b in zip(jax.grad(loss("blockwise"), (0, 1, 2))(*low), jax.grad(loss("xla"), (0, 1, 2))(q, k, v)):
+        assert a.dtype == jnp.bfloat16
+        np.testing.assert_allclose(np.asarray(a, np.float32), b, atol=0.1, rtol=0.05)
+
+
+@pytest.mark.parametrize("causal", [False, True])
 def test_cudnn_arguments_are_lengths_that_mean_the_mask(causal):
     # The cuDNN kernel only runs on NVIDIA GPUs; its arguments are built the same way everywhere.
     # Lengths, not a dense mask (which JAX would turn into a bias that cuDNN rejects) ...

@@ -133,3 +133,59 @@ def test_killed_run_resumes_from_its_last_complete_checkpoint(tmp_path):
     assert logged_losses(killed) == pytest.approx(logged_losses(tmp_path / "straight"), rel=1e-6)
     for ours, theirs in zip(latest_params(killed), latest_params(tmp_path / "straight")):
         np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-7)
+
+
+def test_one_writer_per_workdir_and_a_dead_writers_lock_is_taken_over(tmp_path, apps_log):
+    """A second `apps train` into a workdir that a live process trains stops, naming it; once
+    that process is killed (no clean exit), the next run takes the lock over and says so; a
+    clean exit leaves the lock free and unnamed."""
+    from core.checkpoint import writer_lock
+    from core.errors import UserError
+
+    workdir = tmp_path / "run"
+    command = [sys.executable, "-m", "cli", "train", "sentiment", "--preset", "tiny", "--data", "synthetic"]
+    command += ["--set", "train.steps=100000", "--workdir", str(workdir)]
+    first = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        lock, deadline = workdir / "train.lock", time.monotonic() + 120
+        while not (lock.exists() and lock.read_text()):
+            assert first.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        with pytest.raises(UserError, match=rf"{workdir} is being trained by process {first.pid} on "):
+            train(workdir, ["train.steps=100000"])
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    with writer_lock(workdir):
+        assert lock.read_text().startswith(f"process {os.getpid()} on ")
+    assert f"was last trained by process {first.pid} on " in apps_log.text and lock.read_text() == ""
+
+
+@pytest.mark.parametrize("number", [signal.SIGTERM, signal.SIGINT])
+def test_a_signalled_run_checkpoints_its_step_and_resumes_as_if_never_stopped(tmp_path, number):
+    """SIGTERM (a scheduler's preemption) or SIGINT: the run finishes its step, checkpoints it
+    (between the regular checkpoints), says how to resume and exits 1; the resumed run ends
+    where the uninterrupted one does."""
+    options = ["train.steps=60", "train.checkpoint_every=60", "train.eval_every=60", "train.log_every=1"]
+    command = [sys.executable, "-m", "cli", "train", "sentiment", "--preset", "tiny", "--data", "synthetic"]
+    command += [arg for option in options for arg in ("--set", option)]
+    stopped = tmp_path / "stopped"
+    process = subprocess.Popen(
+        [*command, "--workdir", str(stopped)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    deadline = time.monotonic() + 120
+    while not ((stopped / "metrics.jsonl").exists() and len((stopped / "metrics.jsonl").read_text().splitlines()) >= 5):
+        assert process.poll() is None and time.monotonic() < deadline, process.stdout.read().decode()[-2000:]
+        time.sleep(0.01)
+    signalled = time.monotonic()
+    process.send_signal(number)
+    output = process.communicate(timeout=60)[0].decode()
+    assert time.monotonic() - signalled < 30
+    name = signal.Signals(number).name
+    saved = [int(p.name) for p in (stopped / "checkpoints").iterdir() if p.name.isdigit()]
+    assert process.returncode == 1 and len(saved) == 1 and 5 <= saved[0] < 60, output[-2000:]
+    assert f"Stopped by {name} at step {saved[0]}" in " ".join(output.split()), output[-2000:]
+    assert "to resume from it" in " ".join(output.split())
+    train(stopped, options)
+    train(tmp_path / "straight", options)
+    assert logged_losses(stopped) == pytest.approx(logged_losses(tmp_path / "straight"), rel=1e-6)

@@ -1,6 +1,7 @@
 """The `apps` CLI through Typer's runner: help, overrides, every bad input, and a real round trip."""
 
 import json
+from pathlib import Path
 
 import pytest
 from conftest import apps, plain, table_rows
@@ -11,6 +12,8 @@ from tasks.nlp.sentiment import SentimentTask
 
 FIXTURE = "tests/fixtures/reviews.csv"
 COLUMNS = ["--set", "data.text_column=review", "--set", "data.label_column=stars"]
+# The `trained` run's command, less its workdir and data: resuming needs the same options.
+TRAIN = ["train", "sentiment", "--preset", "tiny", *COLUMNS, "--set", "train.steps=40", "--set", "train.eval_every=20"]
 
 
 def test_help_lists_commands():
@@ -26,40 +29,31 @@ def test_bench_names_its_benchmarks():
     assert "choose from small, big, decode, decode-small, decode-gpt2" in plain(result.output)
 
 
-def test_tasks_table_lists_every_registered_task():
-    result = apps("tasks", env={"COLUMNS": "1000"})  # a terminal wide enough that no cell wraps
+def test_tasks_lists_every_registered_task_for_programs_and_at_80_columns(tmp_path):
+    result = apps("tasks", "--format", "json", "--output", tmp_path / "tasks.json")
     assert result.exit_code == 0, result.output
-    listed = {row[0]: row[1:] for row in table_rows(result.output) if len(row) == 6}
-    assert set(listed) == set(tasks.REGISTRY)
-    for name, (summary, data, model, metrics, presets) in listed.items():
-        task = tasks.get(name)
-        assert [summary, data, model, metrics] == [
+    listed = json.loads((tmp_path / "tasks.json").read_text())["Tasks (* the default preset)"]
+    assert [row["task"] for row in listed] == sorted(tasks.REGISTRY)
+    for row in listed:
+        task = tasks.get(row["task"])
+        assert [row["what"], row["default data"], row["model"], row["metrics"]] == [
             task.summary,
             task.default_data,
             task.model_summary,
             ", ".join(task.metric_names),
         ]
-        assert presets.split(", ") == [f"{p}*" if p == task.default_preset else p for p in task.presets]
+        assert row["presets"].split(", ") == [f"{p}*" if p == task.default_preset else p for p in task.presets]
+    narrow = apps("tasks", env={"COLUMNS": "80"})
+    assert narrow.exit_code == 0 and max(map(len, narrow.output.splitlines())) <= 80
+    listing = narrow.output.split("apps predict TASK options")[0]
+    firsts = [line.split("│")[1].strip() for line in listing.splitlines() if line.startswith("│")]
+    assert [first for first in firsts if first] == sorted(tasks.REGISTRY)
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("cli") / "run"
-    result = apps(
-        "train",
-        "sentiment",
-        "--preset",
-        "tiny",
-        "--workdir",
-        workdir,
-        "--data",
-        FIXTURE,
-        *COLUMNS,
-        "--set",
-        "train.steps=40",
-        "--set",
-        "train.eval_every=20",
-    )
+    result = apps(*TRAIN, "--workdir", workdir, "--data", FIXTURE)
     assert result.exit_code == 0, result.output
     return workdir
 
@@ -170,6 +164,94 @@ def test_data_and_workdir_mistakes(tmp_path):
         assert result.exit_code == 1 and message in plain(result.output), result.output
 
 
+@pytest.mark.parametrize(
+    "damage,message",
+    [
+        (("config.json", b'{"task": "sentiment", "model": {'), "config.json is not valid JSON"),
+        (("config.json", b'["sentiment"]'), "config.json is not a run's configuration"),
+        (("config.json", b'{"task": "recsys"}'), "holds a recsys run, not sentiment"),
+        (("featurizer/classes.json", b'["neg'), "The featurizer in"),
+        (("featurizer", None), "the run's featurizer is gone"),
+    ],
+)
+def test_a_damaged_workdir_file_is_named_with_what_to_do(trained, tmp_path, damage, message):
+    """A file of the run that a crash or a hand edit damaged: eval and predict name it."""
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(trained, copy)
+    name, content = damage
+    if content is None:
+        shutil.rmtree(copy / name)
+    else:
+        (copy / name).write_bytes(content)
+    for command in (["eval", "sentiment", "--data", FIXTURE], ["predict", "sentiment", "lovely"]):
+        result = apps(*command, "--workdir", copy)
+        assert result.exit_code == 1 and message in plain(result.output), result.output
+        assert "Traceback" not in result.output
+
+
+def test_a_damaged_best_json_stops_a_resumed_run_with_its_name(trained, tmp_path):
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(trained, copy)
+    (copy / "best.json").write_text('{"step": 20, "value": ')
+    result = apps(*TRAIN, "--workdir", copy, "--data", FIXTURE)
+    assert result.exit_code == 1 and "best.json is not valid JSON" in plain(result.output), result.output
+
+
+def test_a_run_is_scored_on_the_data_it_was_trained_on(trained, tmp_path, apps_log):
+    """Without --data, eval reads the file the run was trained on and names it; a file that
+    changed since is named in a warning, one that vanished in an error; resuming on other data
+    is refused. --data still overrides."""
+    import shutil
+
+    result = apps("eval", "sentiment", "--workdir", trained, env={"COLUMNS": "1000"})
+    assert result.exit_code == 0 and str(Path(FIXTURE).resolve()) in plain(result.output), result.output
+
+    copy, table = tmp_path / "run", tmp_path / "reviews.csv"
+    shutil.copytree(trained, copy)
+    shutil.copy(FIXTURE, table)
+    record = json.loads((copy / "data.json").read_text())
+    stat = table.stat()
+    (copy / "data.json").write_text(json.dumps({**record, "data": str(table), "modified": stat.st_mtime}))
+    table.write_text(table.read_text() + "an extra lovely review,5\n")
+    assert apps("predict", "sentiment", "--workdir", copy, "lovely").exit_code == 0
+    assert f"{table} changed since {copy} was trained on it" in apps_log.text
+    table.unlink()
+    result = apps("predict", "sentiment", "--workdir", copy, "lovely")
+    assert result.exit_code == 1 and f"was trained on {table}, which is gone" in plain(result.output)
+    result = apps("eval", "sentiment", "--workdir", copy, "--data", FIXTURE)
+    assert result.exit_code == 0, result.output
+    result = apps(*TRAIN, "--workdir", trained, "--data", "synthetic")
+    assert result.exit_code == 1 and f"holds a run trained on {Path(FIXTURE).resolve()}" in plain(result.output)
+
+
+def test_predict_and_eval_write_every_field_in_full_for_a_program(trained, tmp_path):
+    """--format jsonl / csv / json, to stdout or --output: each input whole (a table would cut
+    it at the terminal's width), and eval's JSON is the report it writes into the workdir."""
+    import csv
+
+    long = "lovely " * 40 + "flattering " + "x" * 200
+    result = apps(
+        "predict", "sentiment", "--workdir", trained, "--format", "jsonl", long, "awful", env={"COLUMNS": "60"}
+    )
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [row["text"] for row in rows] == [long, "awful"] and all("label" in row for row in rows)
+    result = apps("predict", "sentiment", "--workdir", trained, "--format", "csv", "--output", tmp_path / "p.csv", long)
+    assert result.exit_code == 0, result.output
+    with open(tmp_path / "p.csv", newline="") as file:
+        [row] = list(csv.DictReader(file))
+    assert row["text"] == long and row["label"] == rows[0]["label"]
+    result = apps("eval", "sentiment", "--workdir", trained, "--split", "test", "--format", "json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout) == json.loads((trained / "eval_test.json").read_text())
+    result = apps("eval", "sentiment", "--workdir", trained, "--format", "yaml")
+    assert result.exit_code == 1 and "--format 'yaml': expected one of table, json, jsonl, csv" in plain(result.output)
+
+
 def test_eval_and_predict_without_a_run(tmp_path):
     for command in (["eval", "sentiment"], ["predict", "sentiment", "text"]):
         result = apps(*command, "--workdir", tmp_path)
@@ -182,6 +264,7 @@ def test_eval_and_predict_without_a_run(tmp_path):
         ("threes.csv", b"text,label\nok fine,3\nso so,3\n", "No examples are left"),
         ("latin1.csv", "text,label\ngood,5\nd\xe9cevant,1\n".encode("latin-1"), "line 3: not valid UTF-8"),
         ("bad.jsonl", b'{"text": "good", "label": 5}\n{"text": oops}\n', "line 2: not valid JSON"),
+        ("inf.csv", b"text,label\ngood,5\nbad,1\nodd,inf\n", "row 3: the label inf in column 'label'"),
     ],
 )
 def test_bad_data_file_is_named(tmp_path, name, content, message):

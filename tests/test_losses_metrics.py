@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from core import losses, metrics
-from core.heads import CopyProjection
+from core.heads import CopyProjection, Projection
 
 
 def test_cross_entropy_by_hand():
@@ -26,13 +26,18 @@ def test_label_smoothing_by_hand():
     assert float(total) == pytest.approx(-(0.1 * math.log(0.25) + 0.9 * math.log(0.75)), rel=1e-6)
 
 
-@pytest.mark.parametrize("chunk,smoothing", [(1, 0.0), (7, 0.0), (64, 0.0), (7, 0.1)])
-def test_linear_cross_entropy_matches_plain_form_and_gradients(chunk, smoothing):
+# `counted` is the share of positions the loss counts; the rest (a prompt, padding) are sorted
+# into chunks that are skipped, and must still get their zero gradient in place.
+@pytest.mark.parametrize(
+    "chunk,smoothing,counted",
+    [(1, 0.0, 0.7), (7, 0.0, 0.7), (64, 0.0, 0.7), (7, 0.1, 0.7), (4, 0.1, 0.2), (4, 0.0, 0.0)],
+)
+def test_linear_cross_entropy_matches_plain_form_and_gradients(chunk, smoothing, counted):
     rng = np.random.default_rng(0)
     hidden = jnp.asarray(rng.standard_normal((3, 11, 8), np.float32))
     weight = jnp.asarray(rng.standard_normal((40, 8), np.float32))
     targets = jnp.asarray(rng.integers(0, 40, (3, 11)))
-    weights = jnp.asarray(rng.random((3, 11)) > 0.3)
+    weights = jnp.asarray(rng.random((3, 11)) < counted)
 
     def plain(h, w):
         return losses.cross_entropy(jnp.einsum("BTD,VD->BTV", h, w), targets, weights, smoothing)[0]
@@ -43,6 +48,38 @@ def test_linear_cross_entropy_matches_plain_form_and_gradients(chunk, smoothing)
     np.testing.assert_allclose(fused(hidden, weight), plain(hidden, weight), rtol=1e-5)
     for a, b in zip(jax.grad(fused, (0, 1))(hidden, weight), jax.grad(plain, (0, 1))(hidden, weight)):
         np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_linear_cross_entropy_in_bfloat16_gives_bfloat16_gradients_of_the_float32_form():
+    """Under bf16 compute the custom backward hands back each input's own dtype, close to the
+    float32 form's gradients (the fused loss forms its logits in float32)."""
+    rng = np.random.default_rng(3)
+    hidden = jnp.asarray(rng.standard_normal((2, 9, 8), np.float32))
+    weight = jnp.asarray(rng.standard_normal((40, 8), np.float32))
+    targets = jnp.asarray(rng.integers(0, 40, (2, 9)))
+    weights = jnp.asarray(rng.random((2, 9)) < 0.5)
+
+    def fused(h, w):
+        return losses.linear_cross_entropy(h, w, targets, weights, 0.1, chunk=4)[0]
+
+    def plain(h, w):
+        return losses.cross_entropy(jnp.einsum("BTD,VD->BTV", h, w), targets, weights, 0.1)[0]
+
+    low = (hidden.astype(jnp.bfloat16), weight.astype(jnp.bfloat16))
+    np.testing.assert_allclose(fused(*low), plain(hidden, weight), rtol=2e-2)
+    for a, b in zip(jax.grad(fused, (0, 1))(*low), jax.grad(plain, (0, 1))(hidden, weight)):
+        assert a.dtype == jnp.bfloat16
+        np.testing.assert_allclose(np.asarray(a, np.float32), b, atol=3e-2, rtol=3e-2)
+
+
+def test_projection_predictions_are_the_argmax_of_its_logits_chunk_by_chunk():
+    rng = np.random.default_rng(2)
+    projection = Projection(
+        jnp.asarray(rng.standard_normal((3, 5, 8), np.float32)), jnp.asarray(rng.standard_normal((30, 8), np.float32))
+    )
+    expected = np.asarray(projection.logits().argmax(-1))
+    for chunk in (1, 4, 15, 64):  # 15 positions: chunks that divide them, and that do not
+        np.testing.assert_array_equal(projection.predictions(chunk), expected)
 
 
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])

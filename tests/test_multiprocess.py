@@ -209,3 +209,45 @@ def test_cli_stops_when_a_process_dies_and_resumes(tmp_path):
         assert "Fitted the featurizer" not in output
     assert sorted(int(step.name) for step in (workdir / "checkpoints").iterdir()) == [80, 100]
     check_best(workdir)
+
+
+@pytest.mark.slow
+def test_a_signal_to_one_process_stops_both_at_one_step_and_the_resumed_run_matches(tmp_path):
+    """SIGTERM to process 1 alone: both finish the same step, checkpoint it together and exit 1,
+    each saying how to resume; both restarted end where an uninterrupted one-process run does."""
+    workdir = tmp_path / "run"
+    options = ["--set", "train.steps=60", "--set", "train.eval_every=60", "--set", "train.checkpoint_every=60"]
+    options += ["--set", "train.log_every=1"]
+    logs = [tmp_path / f"signalled{i}.log" for i in range(2)]
+    port = free_port()
+    processes = [launch(workdir, i, port, options, logs[i]) for i in range(2)]
+    try:
+        deadline = time.monotonic() + 240
+        while not any(record["step"] >= 5 for record in records(workdir)):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in processes), logs[0].read_text()
+            time.sleep(0.01)
+        processes[1].send_signal(signal.SIGTERM)
+        for process in processes:
+            process.wait(timeout=90)
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+    outputs = [" ".join(log.read_text().split()) for log in logs]
+    saved = [int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()]
+    assert [p.returncode for p in processes] == [1, 1] and len(saved) == 1 and 5 <= saved[0] < 60, outputs
+    assert f"Stopped by SIGTERM at step {saved[0]}." in outputs[1]
+    assert f"Stopped by a signal to another process of the run at step {saved[0]}." in outputs[0]
+    for output in outputs:
+        assert "Traceback" not in output and "restart all 2 processes" in output, output[-3000:]
+
+    for output in train_two(workdir, options, "resumed"):
+        assert f"Resuming from checkpoints/ step {saved[0]} in {workdir}." in output
+    single = tmp_path / "one"
+    run.train(
+        SentimentTask, workdir=single, preset="tiny", data="synthetic", overrides=[o for o in options if o != "--set"]
+    )
+    resumed = {r["step"]: r["loss"] for r in records(workdir) if "loss" in r}
+    straight = {r["step"]: r["loss"] for r in records(single) if "loss" in r}
+    assert resumed.keys() == straight.keys()
+    np.testing.assert_allclose([resumed[s] for s in straight], list(straight.values()), rtol=1e-4)

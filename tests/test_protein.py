@@ -89,6 +89,23 @@ def test_tables_name_missing_columns_and_empty_files(tmp_path):
         sequences.read_sequences(str(no_sequence))
 
 
+def test_rows_without_a_label_are_left_out_with_a_count_in_every_task_that_reads_labels(tmp_path, caplog):
+    """A missing label, empty or NaN (how an empty number reads), drops its row with one warning
+    that counts them, for protein and sentiment tables alike."""
+    from tasks.nlp import data as text_data
+
+    proteins, reviews = tmp_path / "p.csv", tmp_path / "r.csv"
+    proteins.write_text("sequence,label\nMKTA,1\nMKTB,\nMKTC,0\nMKTD,\n")
+    reviews.write_text("text,label\ngood,5\nbad,1\nhm,\n")
+    with caplog.at_level("WARNING", logger="apps"):
+        records = sequences.read_sequences(str(proteins), "sequence", "label")
+        columns = text_data.load_table(str(reviews), "text", "label")
+    assert [(r["sequence"], r["label"]) for r in records] == [("MKTA", "1.0"), ("MKTC", "0.0")]
+    assert columns == {"text": ["good", "bad"], "label": [5.0, 1.0]}
+    assert "2 of 4 rows have no label in column 'label' (the first: row 2)" in caplog.text
+    assert "1 of 3 rows have no label in column 'label' (the first: row 3)" in caplog.text
+
+
 def test_masking_spares_padding_specials_and_takes_about_15_percent():
     rng = np.random.default_rng(0)
     ids = rng.integers(sequences.UNKNOWN, len(sequences.VOCAB), (64, 200))

@@ -121,3 +121,26 @@ def test_packed_examples_read_as_if_alone(attention, positions):
         alone = model({"inputs": jnp.asarray([example]), "mask": jnp.ones((1, len(example)), bool)}).logits()[0]
         np.testing.assert_allclose(packed[start : start + len(example)], alone, atol=1e-5, rtol=1e-5)
         start += len(example)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("inputs,outputs", [(4, 12), (12, 4), (6, 6)])  # both branches of the weight gradient
+def test_matmul_gradients_are_plain_autodiff(inputs, outputs, dtype):
+    """`core.transformer.matmul`'s custom backward (the weight gradient written transposed when
+    O > I) gives the gradients, and the dtypes, of `x @ kernel` differentiated by JAX."""
+    from core.transformer import matmul
+
+    rng = np.random.default_rng(inputs * outputs)
+    x = jnp.asarray(rng.standard_normal((2, 3, inputs)), dtype)
+    kernel = jnp.asarray(rng.standard_normal((inputs, outputs)), dtype)
+    cotangent = jnp.asarray(rng.standard_normal((2, 3, outputs)), dtype)
+
+    def loss(product):
+        return lambda x, kernel: (product(x, kernel) * cotangent).astype(jnp.float32).sum()
+
+    custom = jax.grad(loss(matmul), (0, 1))(x, kernel)
+    plain = jax.grad(loss(jnp.matmul), (0, 1))(x, kernel)
+    tolerance = 1e-6 if dtype == jnp.float32 else 2e-2
+    for a, b in zip(custom, plain):
+        assert a.dtype == b.dtype == dtype and a.shape == b.shape
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=tolerance, atol=tolerance)

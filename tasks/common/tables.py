@@ -11,9 +11,13 @@ JSON line).
 from __future__ import annotations
 
 import json
+import logging
+import math
 from pathlib import Path
 
 from core.errors import UserError
+
+log = logging.getLogger("apps")
 
 FORMATS = {".csv": "csv", ".tsv": "csv", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 TABLE_FILES = "a .csv, .tsv, .jsonl or .parquet file"
@@ -118,3 +122,29 @@ def require_columns(table, wanted: dict[str, str], where: str) -> None:
             f"{where} has no column {', '.join(repr(c) for c in missing)}; its columns are "
             f"{', '.join(table.column_names)}. Choose with " + " / ".join(f"--set {key}=..." for key in wanted)
         )
+
+
+def labelled_rows(labels, where: str, column: str) -> list[int]:
+    """The rows of `labels` (a table's label column) that hold a label, in order. A missing one
+    (empty, or NaN as pandas and CSV readers write an empty number) leaves its row out with one
+    warning that counts them; an infinite number is no label and is refused with its row."""
+    kept, missing = [], []
+    for row, label in enumerate(labels):
+        if isinstance(label, float) and math.isinf(label):
+            raise UserError(
+                f"{where} row {row + 1}: the label {label} in column {column!r} is not a class or a rating."
+            )
+        if label is None or (isinstance(label, float) and math.isnan(label)) or str(label).strip() == "":
+            missing.append(row + 1)
+        else:
+            kept.append(row)
+    if missing:
+        log.warning(
+            "%s: %d of %d rows have no label in column %r (the first: row %d); they are left out.",
+            where,
+            len(missing),
+            len(missing) + len(kept),
+            column,
+            missing[0],
+        )
+    return kept

@@ -6,10 +6,14 @@ and the fixed stratified split. A user's table is read once per process while it
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
 from core.errors import UserError
 from tasks.common import cache, splits, tables
+
+log = logging.getLogger("apps")
 
 
 def synthetic_reviews(count: int = 800, seed: int = 0) -> dict[str, list]:
@@ -39,13 +43,21 @@ def synthetic_reviews(count: int = 800, seed: int = 0) -> dict[str, list]:
 @cache.by_file
 def load_table(spec: str, text_column: str, label_column: str) -> dict[str, list]:
     """Columns `text_column` and `label_column` of a local file or a hub dataset's train split;
-    rows without a text or a label are left out."""
+    rows without a label (`tables.labelled_rows`) or a text are left out with a warning."""
     table, where = tables.read_table(spec)
     tables.require_columns(table, {"data.text_column": text_column, "data.label_column": label_column}, where)
     texts, labels = table[text_column], table[label_column]
-    keep = [i for i, (t, y) in enumerate(zip(texts, labels)) if isinstance(t, str) and t.strip() and y is not None]
+    labelled = tables.labelled_rows(labels, where, label_column)
+    keep = [i for i in labelled if isinstance(texts[i], str) and texts[i].strip()]
+    if len(keep) < len(labelled):
+        log.warning(
+            "%s: %d labelled rows have no text in column %r; they are left out.",
+            where,
+            len(labelled) - len(keep),
+            text_column,
+        )
     if not keep:
-        raise UserError(f"{where} has no rows.")
+        raise UserError(f"{where} has no rows with a text and a label.")
     return {"text": [texts[i] for i in keep], "label": [labels[i] for i in keep]}
 
 

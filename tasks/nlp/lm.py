@@ -287,7 +287,7 @@ class LMTask(Task):
         )
 
     def metrics(self, projection: Projection, batch: dict):
-        return {"accuracy": metric_lib.accuracy(projection.logits(), batch["targets"], scored_positions(batch))}
+        return {"accuracy": metric_lib.hits(projection.predictions(), batch["targets"], scored_positions(batch))}
 
     def decode(self, projection: Projection, batch: dict) -> dict[str, jax.Array]:
         """Each row's summed negative log-likelihood (nats) and its number of predictions: the

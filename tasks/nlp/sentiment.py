@@ -163,7 +163,7 @@ class SentimentTask(SequenceClassification):
         for text, rating in zip(columns["text"], columns["label"]):
             try:
                 rating = int(float(rating))
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, OverflowError):
                 raise UserError(
                     f"data.labels={scheme!r} expects 1-5 ratings in the label column, found {rating!r}; "
                     "use --set data.labels=raw for named classes."
@@ -224,6 +224,6 @@ class SentimentTask(SequenceClassification):
         self, predictions: dict[str, np.ndarray], examples: Sequence[dict], featurizer: TextFeaturizer
     ) -> list[dict[str, str]]:
         return [
-            {"text": e["text"] if len(e["text"]) <= 60 else e["text"][:57] + "...", **row}
+            {"text": e["text"], **row}  # whole: a table folds it, --format json keeps it
             for e, row in zip(examples, self.predicted(predictions, examples, featurizer))
         ]

@@ -416,7 +416,7 @@ class Seq2SeqTask(Task):
     def metrics(self, outputs: Projection | CopyProjection, batch: dict):
         return {
             "nll": _cross_entropy(outputs, batch),
-            "token_accuracy": metric_lib.accuracy(outputs.logits(), batch["targets"], scored_positions(batch)),
+            "token_accuracy": metric_lib.hits(outputs.predictions(), batch["targets"], scored_positions(batch)),
         }
 
     def decode(self, outputs: Projection | CopyProjection, batch: dict) -> dict:

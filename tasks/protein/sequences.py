@@ -154,17 +154,15 @@ def _read_table(spec: str, sequence_column: str, label_column: str | None, id_co
     tables.require_columns(table, wanted, where)
     ids = table[id_column] if id_column in table.column_names else None
     labels = table[label_column] if label_column is not None else None
+    sequences = table[sequence_column]
+    rows = range(len(sequences)) if labels is None else tables.labelled_rows(labels, where, label_column)
     records = []
-    for row, sequence in enumerate(table[sequence_column]):
-        name = str(ids[row]) if ids is not None else f"{where} row {row + 1}"
+    for row in rows:
+        name, sequence = str(ids[row]) if ids is not None else f"{where} row {row + 1}", sequences[row]
         if not isinstance(sequence, str) or not sequence.strip():
             raise UserError(f"{where}: record {name!r} has no sequence.")
-        label = None if labels is None else labels[row]
-        if labels is not None and (label is None or str(label).strip() == ""):
-            raise UserError(f"{where}: record {name!r} has no label in column {label_column!r}.")
-        records.append(
-            {"id": name, "sequence": sequence.strip().upper(), "label": None if label is None else str(label)}
-        )
+        label = None if labels is None else str(labels[row])
+        records.append({"id": name, "sequence": sequence.strip().upper(), "label": label})
     return records
 
 

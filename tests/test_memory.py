@@ -1,0 +1,87 @@
+"""The memory estimate before a run, its refusal, and a device out-of-memory error as one message."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+import typer
+from conftest import apps, plain
+from flax import nnx
+
+import cli
+from core import memory, run
+from core.train import build_model
+from tasks.nlp.sentiment import SentimentTask
+
+FIXTURE = "tests/fixtures/reviews.csv"
+SIZES = ["model.d_model=32", "model.num_heads=2", "model.mlp_dim=64", "model.num_layers=1", "model.max_len=16"]
+COLUMNS = ["data.text_column=review", "data.label_column=stars"]
+
+
+def _task(*overrides):
+    config = run.make_config(SentimentTask, "tiny", [*COLUMNS, *SIZES, *overrides])
+    task = SentimentTask(config=config, data=FIXTURE)
+    return task, task.fit_featurizer(task.examples("train"))
+
+
+def test_the_estimate_counts_the_built_model_and_its_training_state_by_hand():
+    task, featurizer = _task("train.batch_size=16")
+    found = memory.estimate(task, featurizer, task.config)
+    model = build_model(task, featurizer, task.config)
+    built = sum(x.size for x in jax.tree.leaves(nnx.to_pure_dict(nnx.state(model))))
+    assert found.parameters == found.trained == built
+    assert found.weights == built * 4 and found.optimizer == built * 4 * 3  # float32; gradients and two moments
+    # 16 rows over the 8 simulated devices: 2 rows of 16 positions each. One block keeps per position
+    # 4 d + 2 (heads x head size) + 2 (kv heads x head size) + 3 mlp = 128 + 64 + 64 + 192 = 448 floats
+    # (the blockwise kernel on CPU keeps no score matrix).
+    assert jax.device_count() == 8
+    assert found.activations == 2 * 16 * 448 * 4
+    assert found.devices == 8 and found.needed == found.total * 8  # simulated devices share the host
+
+
+def test_the_estimate_follows_the_knobs():
+    task, featurizer = _task("train.batch_size=32", "model.num_layers=4")
+    base = memory.estimate(task, featurizer, task.config)
+    for knob, part, ratio in [
+        ("train.batch_size=64", "activations", 2.0),
+        ("train.grad_accum=2", "activations", 0.5),
+        ("train.fsdp=2", "optimizer", 0.5),
+    ]:
+        other, featurizer = _task("train.batch_size=32", "model.num_layers=4", knob)
+        assert getattr(memory.estimate(other, featurizer, other.config), part) == pytest.approx(
+            ratio * getattr(base, part)
+        )
+    remat, featurizer = _task("train.batch_size=32", "model.num_layers=4", "train.remat=true")
+    # remat keeps one vector per layer and one layer's intermediates: (4 x 32 + 448) / (4 x 448)
+    assert memory.estimate(remat, featurizer, remat.config).activations == pytest.approx(base.activations * 576 / 1792)
+
+
+def test_a_run_too_large_is_refused_before_anything_is_built(tmp_path):
+    result = apps(
+        "train", "sentiment", "--preset", "tiny", "--data", FIXTURE, *[a for c in COLUMNS for a in ("--set", c)],
+        "--set", "model.d_model=65536", "--set", "model.mlp_dim=262144", "--workdir", tmp_path,
+    )  # fmt: skip
+    assert result.exit_code == 1
+    message = plain(result.output)
+    assert "This run cannot fit: memory estimate:" in message and "available on host" in message
+    assert "train.batch_size" in message and "train.remat=true" in message and "train.fsdp=N" in message
+    assert not (tmp_path / "config.json").exists()  # nothing of a run that never began
+
+
+def test_a_device_out_of_memory_error_becomes_one_message(capsys):
+    @cli.user_errors
+    def command():
+        return jnp.zeros((2**40,), jnp.float32).block_until_ready()  # 4 TiB: XLA's RESOURCE_EXHAUSTED
+
+    with pytest.raises(typer.Exit) as stopped:
+        command()
+    assert stopped.value.exit_code == 1
+    message = plain(capsys.readouterr().err)
+    assert message.startswith("Error: The device ran out of memory (asked for 4096.00 GB more).")
+    assert "train.batch_size" in message and "train.remat=true" in message and "Traceback" not in message
+
+    @cli.user_errors
+    def other():
+        raise RuntimeError("not a memory error")
+
+    with pytest.raises(RuntimeError, match="not a memory error"):
+        other()
