@@ -1,4 +1,4 @@
-"""The `apps` command line: tasks, train, seeds, eval, predict, report, bench, embed.
+"""The `apps` command line: tasks, train, seeds, eval, predict, serve, report, bench, embed.
 
 JAX and the task modules are imported inside the commands so that `apps --help` answers at
 once. A `UserError` from anywhere below is printed as one paragraph with exit code 1.
@@ -434,6 +434,85 @@ def _split_options(arguments: list[str], switches: set[str] = frozenset()) -> tu
             lines.append(argument)
         index += 1
     return lines, options
+
+
+@app.command()
+@user_errors
+def serve(
+    workdir: Annotated[
+        Optional[list[Path]], typer.Option("--workdir", "-w", help="A trained run to serve; repeatable.")
+    ] = None,
+    model: Annotated[
+        Optional[list[str]],
+        typer.Option(help="A pretrained decoder to serve as it is (smollm2-135m-instruct, a .gguf); repeatable."),
+    ] = None,
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+    max_batch: Annotated[
+        int, typer.Option(help="Predict inputs per call, and generation slots sharing a KV cache.")
+    ] = 8,
+    max_wait_ms: Annotated[
+        float, typer.Option(help="How long a predict request waits for others to batch with.")
+    ] = 5.0,
+    context: Annotated[
+        Optional[int], typer.Option(help="Positions per generation slot (default: the model's, at most 2048).")
+    ] = None,
+    queue: Annotated[int, typer.Option(help="Requests that may wait per model; past it, 503.")] = 256,
+    timeout: Annotated[float, typer.Option(help="Seconds a request may take; past it, 504.")] = 300.0,
+    api_key: Annotated[
+        Optional[str],
+        typer.Option(envvar="APPS_API_KEY", help="Require Authorization: Bearer KEY (or set APPS_API_KEY)."),
+    ] = None,
+    allow_unauthenticated: Annotated[
+        bool, typer.Option(help="Listen beyond loopback without an API key (anyone who can reach it may use it).")
+    ] = False,
+) -> None:
+    """Serve trained runs and pretrained decoders over HTTP: /v1/TASK/predict for every task, and
+    OpenAI's /v1/completions and /v1/chat/completions for language models."""
+    import ipaddress
+
+    loopback = host == "localhost" or (_is_ip(host) and ipaddress.ip_address(host).is_loopback)
+    if api_key is None and not loopback and not allow_unauthenticated:
+        raise UserError(
+            f"--host {host} listens beyond this machine: give --api-key (or APPS_API_KEY), or "
+            "--allow-unauthenticated to serve anyone who can reach it."
+        )
+    if max_batch < 1 or queue < 1 or timeout <= 0 or max_wait_ms < 0:
+        raise UserError("--max-batch and --queue must be at least 1, --timeout positive, --max-wait-ms at least 0.")
+    _show_task_log()
+    import uvicorn
+
+    from core import server as server_lib
+
+    served = server_lib.load(list(workdir or []), list(model or []), slots=max_batch, context=context)
+    console = _console()
+    for item in served:
+        engine = item.engine
+        if engine is not None:
+            timings = engine.warm_up()
+            widths = ", ".join(str(w) for w in engine.widths())
+            console.print(
+                f"{item.name} ({item.task.name}): {max_batch} slots of {engine.context} positions; compiled the "
+                f"decode step and prefills of width {widths} in {sum(timings.values()):.1f} s."
+            )
+        else:
+            console.print(f"{item.name} ({item.task.name}): predictions batched up to {max_batch} inputs.")
+    server = server_lib.Server(
+        served, api_key=api_key, max_batch=max_batch, max_wait_ms=max_wait_ms, queue_size=queue, timeout_s=timeout
+    )
+    access = "a key is required" if api_key else "no key: loopback only" if loopback else "no key, open to all"
+    console.print(f"Serving {', '.join(s.name for s in served)} at http://{host}:{port} ({access}).")
+    uvicorn.Server(uvicorn.Config(server.app, host=host, port=port, log_level="warning")).run()
+
+
+def _is_ip(text: str) -> bool:
+    import ipaddress
+
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
 
 
 @app.command()

@@ -97,17 +97,18 @@ class Generation(NamedTuple):
 def filter_logits(logits: jax.Array, top_k: int | None, top_p: float | None) -> jax.Array:
     """logits [B, V] with -inf outside the top-k tokens and then outside the nucleus: the most
     likely tokens whose probabilities, in decreasing order, first sum to at least `top_p`. Tokens
-    tied with the least likely kept one are kept too."""
+    tied with the least likely kept one are kept too. `top_p` may be traced (a value per request,
+    `core.slots`); 1 keeps every token."""
     if top_k is not None and top_k < logits.shape[-1]:
         kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
-    if top_p is not None and top_p < 1:
+    if top_p is not None and (isinstance(top_p, jax.Array) or top_p < 1):
         ordered = jnp.sort(logits, axis=-1)[:, ::-1]
         probabilities = jax.nn.softmax(ordered, axis=-1)
         # A token is kept while the mass of the more likely ones is still short of top_p.
         before = jnp.cumsum(probabilities, axis=-1) - probabilities
         threshold = jnp.min(jnp.where(before < top_p, ordered, jnp.inf), axis=-1, keepdims=True)
-        logits = jnp.where(logits < threshold, -jnp.inf, logits)
+        logits = jnp.where((logits < threshold) & (top_p < 1), -jnp.inf, logits)
     return logits
 
 

@@ -272,6 +272,12 @@ class Task(abc.ABC):
     def parse_inputs(self, lines: Sequence[str], options: dict[str, Any]) -> list[Example]:
         """Examples from the lines a user gives `apps predict` and the values of `predict_options`."""
 
+    def parse_request(self, inputs: Sequence[str], options: dict[str, Any]) -> list[Example]:
+        """Examples from the inputs of a request to `apps serve`: as `parse_inputs`, except that
+        no input is ever read as a path on the server (a task whose `parse_inputs` opens files
+        overrides this)."""
+        return self.parse_inputs(inputs, options)
+
     @abc.abstractmethod
     def render(
         self, predictions: dict[str, np.ndarray], examples: Sequence[Example], featurizer: Featurizer

@@ -276,6 +276,14 @@ class ProteinTask(Task):
     def parse_inputs(self, lines: Sequence[str], options: dict) -> list[dict]:
         """Sequences given as text (one per argument or line), as FASTA on stdin, or as the paths
         of sequence files."""
+        return self.input_records(lines, files=True)
+
+    def parse_request(self, inputs: Sequence[str], options: dict) -> list[dict]:
+        """Sequences as text or FASTA text: a server never opens a path a request names."""
+        return self.input_records(inputs, files=False)
+
+    def input_records(self, lines: Sequence[str], files: bool) -> list[dict]:
+        """The examples of `parse_inputs` (with `files`, a line naming a file reads it)."""
         lines = [line.strip() for line in lines if line.strip()]
         if not lines:
             raise UserError(f"apps predict {self.name} needs sequences (as arguments, FASTA on stdin, or files).")
@@ -283,12 +291,12 @@ class ProteinTask(Task):
         for number, line in enumerate(lines, start=1):
             if line.startswith(">") or fasta:
                 fasta.append(line)
-            elif Path(line).is_file():
+            elif files and Path(line).is_file():
                 records += sequences.read_sequences(line)
             else:
                 records.append({"id": f"input {number}", "sequence": line.upper(), "label": None})
         if fasta:
-            records += sequences.parse_text("\n".join(fasta), "fasta", "stdin")
+            records += sequences.parse_text("\n".join(fasta), "fasta", "input")
         return [{**r, "label": None} for r in records]
 
     def embed(

@@ -130,7 +130,7 @@ class ProteinMLMTask(ProteinTask):
 
     def metrics(self, projection: Projection, batch: dict):
         weights = scored_positions(batch)
-        return {"masked_accuracy": metric_lib.accuracy(projection.logits(), batch["targets"], weights)}
+        return {"masked_accuracy": metric_lib.hits(projection.predictions(), batch["targets"], weights)}
 
     def decode(self, projection: Projection, batch: dict) -> dict[str, jax.Array]:
         # Probabilities of the 20 standard residues (of the softmax over the whole vocabulary).
@@ -159,9 +159,9 @@ class ProteinMLMTask(ProteinTask):
         picked = np.concatenate([t[m] for t, m in zip(rows["targets"], rows["target_mask"])])
         return {"unigram": {"perplexity": math.exp(-np.log(frequencies[picked]).mean())}}
 
-    def parse_inputs(self, lines: Sequence[str], options: dict) -> list[dict]:
+    def input_records(self, lines: Sequence[str], files: bool) -> list[dict]:
         """Sequences as for every protein task; each `?` is a residue to fill."""
-        records = super().parse_inputs(lines, options)
+        records = super().input_records(lines, files)
         return [
             {
                 **r,

@@ -21,6 +21,7 @@ the step, which frames and mel bins each training row loses (`keep_frames` [B, T
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import functools
 from collections.abc import Sequence
@@ -42,7 +43,7 @@ from core.frontends import ConvSubsampling
 from core.heads import Projection
 from core.run import Predictor
 from core.task import PredictOption, Task, final, scored_positions
-from tasks.speech import corpus
+from tasks.speech import audio, corpus
 from tasks.speech.featurizer import SpeechFeaturizer, fit_featurizer
 from tasks.speech.scoring import NORMALIZATION, grouped_error_rates
 from tasks.speech.whisper import WhisperFeaturizer, transcribe
@@ -396,6 +397,20 @@ class SpeechTask(Task):
         if not paths:
             raise UserError("apps predict speech needs at least one audio file (as arguments or on stdin).")
         return [{"id": None, "audio": None, "path": path, "text": "", "voice": None} for path in paths]
+
+    def parse_request(self, inputs: Sequence[str], options: dict) -> list[dict]:
+        """Audio files' bytes in base64 (or as data URLs, "data:audio/wav;base64,..."), decoded in
+        memory: a server never opens a path a request names."""
+        examples = []
+        for number, text in enumerate(inputs, 1):
+            where = f"input {number}"
+            try:
+                data = base64.b64decode(text.split(",", 1)[1] if text.startswith("data:") else text, validate=True)
+            except (ValueError, IndexError):
+                raise UserError(f"{where}: not base64; send each audio file's bytes base64-encoded.") from None
+            samples = audio.decode_audio(data, where, silence_allowed=True)
+            examples.append({"id": None, "audio": samples, "path": where, "where": where, "text": "", "voice": None})
+        return examples
 
     def render(self, predictions, examples, featurizer) -> list[dict[str, str]]:
         return [{"file": e["path"], "transcript": text} for e, text in zip(examples, predictions["text"])]

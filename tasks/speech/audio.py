@@ -9,6 +9,7 @@ names the file.
 from __future__ import annotations
 
 import functools
+import io
 import logging
 from pathlib import Path
 
@@ -32,33 +33,38 @@ def load_audio(path: str | Path, silence_allowed: bool = False) -> np.ndarray:
     """The file at `path` as float32 samples in [-1, 1], mono (channels averaged) at 16 kHz
     (resampled with librosa); a silent file is refused unless `silence_allowed` (a recognizer
     that tells speech from none itself, as Whisper does)."""
-    import librosa
-    import soundfile
-
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: no such audio file.")
-    if path.stat().st_size == 0:
-        raise UserError(f"{path}: the file is empty.")
+    return decode_audio(path.read_bytes(), str(path), silence_allowed)
+
+
+def decode_audio(data: bytes, where: str, silence_allowed: bool = False) -> np.ndarray:
+    """`load_audio` of a file's bytes (an upload to `apps serve`); `where` names it in errors."""
+    import librosa
+    import soundfile
+
+    if not data:
+        raise UserError(f"{where}: the file is empty.")
     try:
-        info = soundfile.info(str(path))
-        samples, rate = soundfile.read(str(path), dtype="float32", always_2d=True)
+        info = soundfile.info(io.BytesIO(data))
+        samples, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
     except (soundfile.LibsndfileError, RuntimeError, TypeError) as error:
         raise UserError(
-            f"{path}: not a readable audio file ({error}); expected {', '.join(FORMATS)} (or another format "
+            f"{where}: not a readable audio file ({error}); expected {', '.join(FORMATS)} (or another format "
             "libsndfile reads)."
         ) from None
     if len(samples) < info.frames or "should be" in info.extra_info.lower():
-        raise UserError(f"{path}: the file is truncated (its header promises more samples than it holds).")
+        raise UserError(f"{where}: the file is truncated (its header promises more samples than it holds).")
     if len(samples) == 0:
-        raise UserError(f"{path}: the file holds no samples.")
+        raise UserError(f"{where}: the file holds no samples.")
     mono = librosa.to_mono(samples.T)
     if rate != SAMPLE_RATE or samples.shape[1] > 1:
         # A note, not an error: any rate and channel count is read, and the user should know how.
-        logger.info(f"{path}: {samples.shape[1]} channel(s) at {rate} Hz, read as their mean at {SAMPLE_RATE} Hz.")
+        logger.info(f"{where}: {samples.shape[1]} channel(s) at {rate} Hz, read as their mean at {SAMPLE_RATE} Hz.")
     if rate != SAMPLE_RATE:
         mono = librosa.resample(mono, orig_sr=rate, target_sr=SAMPLE_RATE)
-    return check_audible(mono.astype(np.float32), str(path), silence_allowed)
+    return check_audible(mono.astype(np.float32), where, silence_allowed)
 
 
 def check_audible(samples: np.ndarray, where: str, silence_allowed: bool = False) -> np.ndarray:

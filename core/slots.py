@@ -1,0 +1,274 @@
+"""Continuous batching for a decoder-only model: requests share one KV cache, slot by slot.
+
+The cache holds `slots` rows of the model's context. A request waits in a bounded queue until a
+slot is free; its prompt is then prefilled into that slot's row (padded to a width bucket,
+`core.data.bucket_width`: a few compiled programs, all compiled by `warm_up`) and its first token
+sampled; from the next step on it decodes beside every other active slot, one token per slot
+per step, each row at its own position (`Cache.lengths`). A finished, failed or cancelled
+request frees its slot at once and a waiting one takes it before the next step: one long
+request never holds short ones back, and the step's batch is as full as the load allows.
+
+Each slot samples with its own settings (temperature, nucleus, seed): greedy where the
+temperature is 0, else a draw from the softmax of the logits over the temperature, cut to the
+nucleus of `top_p`, with the key folded from the request's seed and its token count, so a
+request gives the same tokens whichever slot it lands in and whatever runs beside it.
+
+One engine thread owns the cache and runs every compiled call; callers submit from any thread
+and receive tokens through their request's `emit` callback, on the engine thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from core.data import bucket_width
+from core.generate import COMPILER_OPTIONS, filter_logits, logits_of
+from core.transformer import Model
+
+log = logging.getLogger("apps")
+
+
+@dataclass
+class Request:
+    """One generation: prompt ids, how many new tokens at most, the sampling settings, the ids
+    that end it, and `emit(token, reason)`: called with each new token (reason None), then once
+    with token None and why it ended ("stop": a stop id, not emitted; "length": max_new;
+    "cancelled"; "error: ..."). `cancel()` from any thread frees its slot before the next step."""
+
+    prompt: Sequence[int]
+    max_new: int
+    emit: Callable[[int | None, str | None], None]
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_ids: frozenset[int] = frozenset()
+    submitted: float = field(default_factory=time.perf_counter)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+class QueueFull(Exception):
+    """The engine's queue holds `queue_size` waiting requests already."""
+
+
+def _pick(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, seed: jax.Array, count: jax.Array):
+    """One row's next token from its logits [V]: greedy at temperature 0, else sampled in the
+    nucleus of top_p with the key of (seed, count)."""
+    key = jax.random.fold_in(jax.random.key(seed), count)
+    scaled = filter_logits((logits / jnp.maximum(temperature, 1e-6))[None], None, top_p)[0]
+    drawn = jax.random.categorical(key, scaled)
+    return jnp.where(temperature > 0, drawn, jnp.argmax(logits)).astype(jnp.int32)
+
+
+class Engine:
+    """The slots, their cache and the thread that decodes them (see the module's text)."""
+
+    def __init__(self, model: Model, *, slots: int, queue_size: int = 256, context: int | None = None):
+        config = model.body.config
+        if not config.causal:
+            raise ValueError("Continuous batching needs a causal (decoder-only) model.")
+        self.slots, self.context = slots, min(context or config.max_len, config.max_len)
+        self.graphdef, params = nnx.split(model)
+        # On one device, whatever mesh the run was loaded onto: the cache lives there too.
+        self.params = jax.device_put(params, jax.local_devices()[0])
+        dtype = model.embedder.embedding.embedding[...].dtype
+        self.cache = model.body.init_cache(slots, self.context, dtype)
+        self.waiting: queue.Queue[Request] = queue.Queue(maxsize=queue_size)
+        self.active: list[Request | None] = [None] * slots
+        self.counts = np.zeros(slots, np.int32)  # tokens each slot's request has had
+        self.last = np.zeros(slots, np.int32)  # each slot's latest token, the next step's input
+        self.steps = self.prefills = 0
+        self.on_step: Callable[[int], None] | None = None  # told each step's active slots (a server's metrics)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._prefill = jax.jit(self._prefill_into, donate_argnums=1, compiler_options=COMPILER_OPTIONS)
+        self._step = jax.jit(self._decode_step, donate_argnums=1, compiler_options=COMPILER_OPTIONS)
+
+    # The compiled programs ------------------------------------------------------------------
+
+    def _prefill_into(self, params, cache, tokens, length, slot, sampling):
+        """Prompt tokens [1, W] (length real ones) into row `slot` of the cache -> (its first
+        token, the cache)."""
+        model = nnx.merge(self.graphdef, params)
+        row = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=0), cache)
+        x, mask = model.embedder(tokens, jnp.arange(tokens.shape[1])[None, :] < length)
+        hidden, row = model.body.prefill(x, mask, row)
+        logits = logits_of(model, jnp.take_along_axis(hidden, (length - 1).reshape(1, 1, 1), axis=1))[0]
+        cache = jax.tree.map(lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r, slot, axis=0), cache, row)
+        temperature, top_p, seed = sampling
+        return _pick(logits, temperature, top_p, seed, jnp.int32(0)), cache
+
+    def _decode_step(self, params, cache, tokens, active, temperature, top_p, seed, count):
+        """One token for every slot [S] -> (the next token of each, the cache); an idle slot
+        computes at position 0, so its row never runs past the context."""
+        model = nnx.merge(self.graphdef, params)
+        cache = cache._replace(lengths=jnp.where(active, cache.lengths, 0))
+        x, _ = model.embedder(tokens[:, None], jnp.ones((tokens.shape[0], 1), bool))
+        hidden, cache = model.body.extend(x, cache)
+        logits = logits_of(model, hidden)
+        return jax.vmap(_pick)(logits, temperature, top_p, seed, count), cache
+
+    # Running ---------------------------------------------------------------------------------
+
+    def widths(self) -> list[int]:
+        """The prompt widths that prefill compiles for: every bucket up to the context."""
+        found, length = [], 1
+        while length <= self.context - 1:
+            width = bucket_width(length, self.context - 1)
+            found.append(width)
+            length = width + 1
+        return found
+
+    def warm_up(self) -> dict[str, float]:
+        """Compiles the decode step and a prefill for every width (a served request then never
+        waits for a compiler); -> seconds taken by each."""
+        timings = {}
+        for width in self.widths():
+            started = time.perf_counter()
+            self._prefill_slot(0, [0] * width, (0.0, 1.0, 0))
+            timings[f"prefill {width}"] = time.perf_counter() - started
+        started = time.perf_counter()
+        self._run_step(np.zeros(self.slots, bool))
+        timings["decode step"] = time.perf_counter() - started
+        self.counts[:] = 0
+        return timings
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="apps-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Ends the loop once the active and waiting requests are done (or after `timeout`)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def submit(self, request: Request) -> None:
+        if len(request.prompt) + request.max_new > self.context:
+            raise ValueError(
+                f"{len(request.prompt)} prompt tokens and {request.max_new} new ones exceed the {self.context} "
+                "positions of the context"
+            )
+        try:
+            self.waiting.put_nowait(request)
+        except queue.Full:
+            raise QueueFull from None
+
+    def busy(self) -> int:
+        return sum(request is not None for request in self.active)
+
+    def _loop(self) -> None:
+        while True:
+            self._admit()
+            if not self.busy():
+                if self._stop.is_set() and self.waiting.empty():
+                    return
+                try:
+                    request = self.waiting.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+                self._start(self.active.index(None), request)
+                continue
+            active = np.array([r is not None for r in self.active])
+            if self.on_step is not None:
+                self.on_step(int(active.sum()))
+            try:
+                tokens = self._run_step(active)
+            except Exception as error:  # the step failed: every request in it fails, the engine goes on
+                log.exception("A decode step failed.")
+                for slot, request in enumerate(self.active):
+                    if request is not None:
+                        self._finish(slot, f"error: {error}")
+                continue
+            for slot, request in enumerate(self.active):
+                if request is not None:
+                    self._advance(slot, request, int(tokens[slot]))
+
+    def _admit(self) -> None:
+        """Fills free slots from the queue, skipping cancelled requests."""
+        while None in self.active:
+            try:
+                request = self.waiting.get_nowait()
+            except queue.Empty:
+                return
+            self._start(self.active.index(None), request)
+
+    def _start(self, slot: int, request: Request) -> None:
+        if request.cancelled.is_set():
+            _tell(request, None, "cancelled")
+            return
+        self.active[slot] = request
+        try:
+            token = self._prefill_slot(slot, request.prompt, (request.temperature, request.top_p, request.seed))
+        except Exception as error:
+            log.exception("A prefill failed.")
+            self._finish(slot, f"error: {error}")
+            return
+        self.counts[slot] = 0
+        self._advance(slot, request, token)
+
+    def _prefill_slot(self, slot: int, prompt: Sequence[int], sampling: tuple) -> int:
+        width = bucket_width(len(prompt), self.context - 1)
+        tokens = np.zeros((1, width), np.int32)
+        tokens[0, : len(prompt)] = prompt
+        temperature, top_p, seed = sampling
+        settings = (jnp.float32(temperature), jnp.float32(top_p), jnp.uint32(seed))
+        token, self.cache = self._prefill(
+            self.params, self.cache, tokens, jnp.int32(len(prompt)), jnp.int32(slot), settings
+        )
+        self.prefills += 1
+        return int(token)
+
+    def _run_step(self, active: np.ndarray) -> np.ndarray:
+        requests = [r if r is not None else Request((), 1, lambda *_: None) for r in self.active]
+        tokens, self.cache = self._step(
+            self.params,
+            self.cache,
+            self.last,
+            active,
+            np.array([r.temperature for r in requests], np.float32),
+            np.array([r.top_p for r in requests], np.float32),
+            np.array([r.seed for r in requests], np.uint32),
+            self.counts,
+        )
+        self.steps += 1
+        return np.asarray(tokens)
+
+    def _advance(self, slot: int, request: Request, token: int) -> None:
+        """A slot's new token: emitted, or the end of its request."""
+        self.counts[slot] += 1
+        self.last[slot] = token
+        if request.cancelled.is_set():
+            self._finish(slot, "cancelled")
+        elif token in request.stop_ids:
+            self._finish(slot, "stop")
+        else:
+            _tell(request, token, None)
+            if self.counts[slot] >= request.max_new:
+                self._finish(slot, "length")
+
+    def _finish(self, slot: int, reason: str) -> None:
+        request, self.active[slot] = self.active[slot], None
+        if request is not None:
+            _tell(request, None, reason)
+
+
+def _tell(request: Request, token: int | None, reason: str | None) -> None:
+    """`request.emit`, whose failure (a caller's bug) cancels that request alone."""
+    try:
+        request.emit(token, reason)
+    except Exception:
+        log.exception("A request's emit failed; cancelling it.")
+        request.cancel()

@@ -1,0 +1,276 @@
+"""`apps serve` in a subprocess on a free local port, through real clients: the official `openai`
+client (completions, chat, streaming), continuous batching that gives what one request at a time
+gives, a disconnect freeing its slots, the key, every bad request with its status, predict
+batching, and SIGTERM draining what is in flight."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx2 as httpx
+import openai
+import pytest
+from conftest import apps
+from test_multiprocess import free_port
+from tiny_gguf import write_tiny_gguf
+
+from tasks.nlp.lm import LanguageModel
+from tasks.protein.classify import ProteinClassTask
+
+ROOT = Path(__file__).resolve().parents[1]
+KEY = "test-key-1234"
+PROMPTS = ["the", "a b c", "then there", "x", "thee the", "zz top"]
+
+
+def start(tmp: Path, *args: str, key: str | None = KEY) -> tuple[subprocess.Popen, str, Path]:
+    """A server of `args` (its models and options), once /health answers: (process, base URL, log)."""
+    port = free_port()
+    log = tmp / f"server-{port}.log"
+    command = [sys.executable, "-m", "cli", "serve", "--port", str(port), *args, *(["--api-key", key] if key else [])]
+    environment = os.environ | {"COLUMNS": "400"}
+    with log.open("w") as output:
+        process = subprocess.Popen(command, cwd=ROOT, env=environment, stdout=output, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while True:
+        assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return process, url, log
+        except httpx.TransportError:
+            time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, tiny):
+    tmp = tmp_path_factory.mktemp("serve")
+    sentiment = tmp / "sentiment"
+    trained = apps(
+        "train",
+        "sentiment",
+        "--preset",
+        "tiny",
+        "--data",
+        "synthetic",
+        "--set",
+        "train.steps=20",
+        "--workdir",
+        sentiment,
+    )
+    assert trained.exit_code == 0, trained.output
+    process, url, log = start(
+        tmp, "--workdir", str(sentiment), "--model", str(tiny), "--max-batch", "4", "--max-wait-ms", "300"
+    )
+    yield url, log
+    process.send_signal(signal.SIGTERM)
+    process.wait(60)
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+
+
+def auth() -> dict:
+    return {"Authorization": f"Bearer {KEY}"}
+
+
+def metric(url: str, name: str, **labels) -> float:
+    """A sample's value from /metrics (0 when absent)."""
+    wanted = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    for line in httpx.get(f"{url}/metrics", headers=auth()).text.splitlines():
+        if line.startswith(f"{name}{{{wanted}}} ") or (not labels and line.startswith(f"{name} ")):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_the_openai_client_completes_chats_and_streams_what_the_model_gives_in_process(server, tiny):
+    url, log = server
+    local = LanguageModel(model=str(tiny))
+    expected = local.generate(["the"], max_new_tokens=8, temperature=0.0)[0]
+    answer = client(url).completions.create(model="tiny.gguf", prompt="the", max_tokens=8, temperature=0)
+    assert answer.choices[0].text == expected and answer.choices[0].finish_reason == "length"
+    assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (2, 8)  # the start id and "the"
+    streamed = client(url).completions.create(model="tiny.gguf", prompt="the", max_tokens=8, temperature=0, stream=True)
+    assert "".join(chunk.choices[0].text for chunk in streamed) == expected
+
+    messages = [{"role": "user", "content": "hi there"}]
+    said = local.generate([json.dumps(messages)], max_new_tokens=6, temperature=0.0, chat=True)[0]
+    chat = client(url).chat.completions.create(model="tiny.gguf", messages=messages, max_tokens=6, temperature=0)
+    assert chat.choices[0].message.content == said and chat.choices[0].message.role == "assistant"
+    chunks = client(url).chat.completions.create(
+        model="tiny.gguf", messages=messages, max_tokens=6, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == said
+    assert [m.id for m in client(url).models.list().data] == ["sentiment", "tiny.gguf"]
+    assert "4 slots of 128 positions; compiled the decode step and prefills of width 8, 16" in log.read_text()
+
+
+def test_a_stop_sequence_and_seeded_sampling(server):
+    url, _ = server
+    whole = client(url).completions.create(model="tiny.gguf", prompt="a b c", max_tokens=10, temperature=0).choices[0]
+    stop = whole.text[3:5]
+    cut = client(url).completions.create(model="tiny.gguf", prompt="a b c", max_tokens=10, temperature=0, stop=[stop])
+    assert cut.choices[0].text == whole.text[: whole.text.index(stop)] and cut.choices[0].finish_reason == "stop"
+    drawn = [
+        client(url).completions.create(model="tiny.gguf", prompt="x", max_tokens=12, temperature=1.0, seed=5, n=3)
+        for _ in range(2)
+    ]
+    assert [c.text for c in drawn[0].choices] == [c.text for c in drawn[1].choices]  # a seed repeats
+    assert len({c.text for c in drawn[0].choices}) > 1  # each of n draws with its own seed
+
+
+def test_concurrent_requests_share_decode_steps_and_give_what_each_gives_alone(server):
+    url, _ = server
+    ask = lambda prompt: (
+        client(url)
+        .completions.create(  # noqa: E731
+            model="tiny.gguf", prompt=prompt, max_tokens=24, temperature=0
+        )
+        .choices[0]
+        .text
+    )
+    alone = [ask(prompt) for prompt in PROMPTS]
+    steps_before = metric(url, "apps_decode_slots_count", model="tiny.gguf")
+    single_before = metric(url, "apps_decode_slots_bucket", le="1.0", model="tiny.gguf")
+    together: list[str | None] = [None] * len(PROMPTS)
+
+    def send(i):
+        together[i] = ask(PROMPTS[i])
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(PROMPTS))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert together == alone
+    steps = metric(url, "apps_decode_slots_count", model="tiny.gguf") - steps_before
+    single = metric(url, "apps_decode_slots_bucket", le="1.0", model="tiny.gguf") - single_before
+    assert steps < len(PROMPTS) * 23 and single < steps  # steps ran several requests at once
+
+
+def test_a_client_that_disconnects_frees_its_slots(server):
+    url, _ = server
+    before = metric(url, "apps_prefills", model="tiny.gguf")
+    body = {"model": "tiny.gguf", "prompt": "the", "max_tokens": 120, "n": 16, "stream": True, "temperature": 0}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=auth(), timeout=30) as response:
+        assert response.status_code == 200
+        next(response.iter_lines())  # the first chunk, then hang up
+    deadline = time.monotonic() + 20
+    while metric(url, "apps_busy_slots", model="tiny.gguf") > 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    # The 12 choices still waiting for a slot were dropped unprefilled.
+    assert metric(url, "apps_prefills", model="tiny.gguf") - before < 16
+
+
+def test_predict_batches_concurrent_requests_into_one_call(server):
+    url, _ = server
+    alone = httpx.post(f"{url}/v1/sentiment/predict", json={"inputs": ["great fit"]}, headers=auth()).json()
+    assert alone["predictions"][0]["text"] == "great fit" and alone["predictions"][0]["label"] in (
+        "positive",
+        "negative",
+    )
+    calls_before = metric(url, "apps_batch_requests_count", model="sentiment")
+    inputs = [["great fit", "awful"], ["lovely"], ["too small", "ok", "nice"]]
+    answers: list = [None] * 3
+
+    def send(i):
+        answers[i] = httpx.post(f"{url}/v1/sentiment/predict", json={"inputs": inputs[i]}, headers=auth()).json()
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    for given, answer in zip(inputs, answers):
+        assert [row["text"] for row in answer["predictions"]] == given
+    assert metric(url, "apps_batch_requests_count", model="sentiment") - calls_before < 3
+
+
+@pytest.mark.parametrize(
+    "path, body, status, param",
+    [
+        ("/v1/completions", b"{not json", 400, "body"),
+        ("/v1/completions", {"prompt": "a", "max_tokens": "many"}, 400, "max_tokens"),
+        ("/v1/completions", {"prompt": "a", "bogus": 1}, 400, "bogus"),
+        ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+        ("/v1/completions", {"prompt": "a", "max_tokens": 500}, 400, "max_tokens"),
+        ("/v1/completions", {"prompt": "a", "temperature": -1}, 400, "temperature"),
+        ("/v1/completions", {"prompt": "a", "model": "gpt-9"}, 404, "model"),
+        ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages.0.role"),
+        ("/v1/sentiment/predict", {"inputs": ["fine"], "options": {"beams": 2}}, 400, "options.beams"),
+        ("/v1/sentiment/predict", {"inputs": "fine"}, 400, "inputs"),
+        ("/v1/recsys/predict", {"inputs": ["1,2"]}, 404, "model"),
+        ("/v1/completions", {"prompt": "a" * (5 * 1024 * 1024)}, 413, "body"),
+    ],
+)
+def test_each_bad_request_is_a_json_error_naming_its_field_and_the_server_goes_on(server, path, body, status, param):
+    url, _ = server
+    sent = {"content": body} if isinstance(body, bytes) else {"json": body}
+    response = httpx.post(f"{url}{path}", headers={**auth(), "content-type": "application/json"}, **sent)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["code"] == status and error["message"]
+    assert httpx.get(f"{url}/health").json()["status"] == "ok"
+
+
+def test_the_key_is_required_everywhere_but_health(server):
+    url, _ = server
+    assert httpx.get(f"{url}/health").status_code == 200
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        response = httpx.get(f"{url}/v1/models", headers=headers)
+        assert response.status_code == 401 and response.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(f"{url}/metrics", headers={}).status_code == 401
+    assert httpx.get(f"{url}/v1/models", headers=auth()).status_code == 200
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_serving_beyond_loopback_needs_a_key(tmp_path, tiny):
+    result = apps("serve", "--model", tiny, "--host", "0.0.0.0")
+    assert result.exit_code == 1 and "give --api-key" in " ".join(result.output.split())
+
+
+def test_sigterm_finishes_the_requests_in_flight_then_exits(tmp_path, tiny):
+    process, url, log = start(tmp_path, "--model", str(tiny), "--max-batch", "1", key=None)
+    result = {}
+
+    def long_request():
+        body = {"prompt": "the", "max_tokens": 120, "n": 12, "temperature": 0}
+        result["response"] = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+
+    thread = threading.Thread(target=long_request)
+    thread.start()
+    while metric(url, "apps_busy_slots", model="tiny.gguf") == 0:
+        assert thread.is_alive()
+        time.sleep(0.01)
+    process.send_signal(signal.SIGTERM)
+    # Drained, uvicorn raises the signal again: the process ends as SIGTERM's, as a scheduler expects.
+    assert process.wait(120) == -signal.SIGTERM, log.read_text()[-3000:]
+    thread.join(10)
+    response = result["response"]
+    assert response.status_code == 200
+    assert [c["finish_reason"] for c in response.json()["choices"]] == ["length"] * 12
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"{url}/health", timeout=2)
+
+
+def test_a_request_never_names_a_file_on_the_server(tmp_path):
+    fasta = tmp_path / "secret.fasta"
+    fasta.write_text(">secret\nMKTAYIAKQR\n")
+    task = ProteinClassTask.__new__(ProteinClassTask)
+    object.__setattr__(task, "data", None)
+    assert task.parse_inputs([str(fasta)], {})[0]["sequence"] == "MKTAYIAKQR"  # the CLI reads the user's files
+    served = task.parse_request([str(fasta)], {})  # the server takes the text as a sequence, never opens it
+    assert [r["id"] for r in served] == ["input 1"] and served[0]["sequence"] == str(fasta).upper()

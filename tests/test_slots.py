@@ -1,0 +1,114 @@
+"""Continuous batching (core/slots.py): requests decoded side by side in slots of one cache give
+exactly what the core's generation gives each alone, whenever they join and whatever their lengths."""
+
+import threading
+
+import numpy as np
+import pytest
+from test_generate import GEMMA_SHAPED, VOCAB, language_model
+
+from core.generate import generate
+from core.slots import Engine, QueueFull, Request
+
+PROMPTS = [[3, 14, 15], [9, 2, 6, 5, 35, 8, 9], [27], [4, 4, 4, 4, 1], [11, 12]]
+
+
+class Collector:
+    """A request's tokens and how it ended, with an event set at its end."""
+
+    def __init__(self):
+        self.tokens, self.reason, self.done = [], None, threading.Event()
+
+    def __call__(self, token, reason):
+        if token is None:
+            self.reason = reason
+            self.done.set()
+        else:
+            self.tokens.append(token)
+
+
+def run_all(engine: Engine, requests: list[Request], collectors: list[Collector]):
+    engine.start()
+    try:
+        for request in requests:
+            engine.submit(request)
+        for collector in collectors:
+            assert collector.done.wait(60)
+    finally:
+        engine.stop(10)
+
+
+@pytest.mark.parametrize("shape", [{}, GEMMA_SHAPED], ids=["llama-shaped", "gemma-shaped"])
+def test_slots_give_what_each_request_gives_alone(shape):
+    """Five greedy requests of different lengths through two slots (so three wait and join as
+    others finish) equal the core's batched generation, token for token, and stop where it does."""
+    model = language_model(**shape)
+    lengths = [6, 2, 9, 4, 7]
+    engine = Engine(model, slots=2)
+    collectors = [Collector() for _ in PROMPTS]
+    requests = [Request(p, n, c) for p, n, c in zip(PROMPTS, lengths, collectors)]
+    run_all(engine, requests, collectors)
+    for prompt, new, collector in zip(PROMPTS, lengths, collectors):
+        expected = generate(model, [prompt], max_new_tokens=new)
+        assert collector.tokens == list(expected.tokens[0][:new]) and collector.reason == "length"
+    assert engine.prefills == len(PROMPTS) and not engine.busy()
+
+
+def test_a_stop_id_ends_a_request_without_being_emitted():
+    model = language_model()
+    alone = list(generate(model, [PROMPTS[1]], max_new_tokens=8).tokens[0])
+    stop = alone[3]
+    first = alone.index(stop)
+    collector = Collector()
+    run_all(Engine(model, slots=3), [Request(PROMPTS[1], 8, collector, stop_ids=frozenset({stop}))], [collector])
+    assert collector.tokens == alone[:first] and collector.reason == "stop"
+
+
+def test_sampling_depends_on_the_seed_alone_not_on_the_slot_or_the_neighbours():
+    model = language_model()
+    settings = dict(temperature=1.0, top_p=0.9, seed=7)
+    alone = Collector()
+    run_all(Engine(model, slots=1), [Request(PROMPTS[0], 10, alone, **settings)], [alone])
+    crowd = [Collector() for _ in range(4)]
+    neighbours = [Request(PROMPTS[i], 10, crowd[i], temperature=1.0, seed=i) for i in range(3)]
+    run_all(Engine(model, slots=4), [*neighbours, Request(PROMPTS[0], 10, crowd[3], **settings)], crowd)
+    assert crowd[3].tokens == alone.tokens
+    assert len({tuple(c.tokens) for c in crowd}) > 1  # other seeds, other draws
+    assert all(0 <= t < VOCAB for c in crowd for t in c.tokens)
+
+
+def test_a_cancelled_request_frees_its_slot_for_the_next():
+    model = language_model(max_len=64)
+    engine = Engine(model, slots=1)
+    long, short = Collector(), Collector()
+    long_request = Request(PROMPTS[0], 60, long)
+    engine.start()
+    try:
+        engine.submit(long_request)
+        engine.submit(Request(PROMPTS[2], 3, short))
+        while len(long.tokens) < 2:
+            assert not long.done.is_set()
+        long_request.cancel()
+        assert short.done.wait(60) and long.done.wait(60)
+    finally:
+        engine.stop(10)
+    assert long.reason == "cancelled" and len(long.tokens) < 60
+    assert short.reason == "length" and short.tokens == list(generate(model, [PROMPTS[2]], max_new_tokens=3).tokens[0])
+
+
+def test_the_queue_is_bounded_and_a_request_past_the_context_is_refused():
+    engine = Engine(language_model(), slots=1, queue_size=2)  # not started: nothing leaves the queue
+    for _ in range(2):
+        engine.submit(Request([1], 2, Collector()))
+    with pytest.raises(QueueFull):
+        engine.submit(Request([1], 2, Collector()))
+    with pytest.raises(ValueError, match="exceed the 24 positions of the context"):
+        engine.submit(Request([1] * 20, 5, Collector()))
+
+
+def test_warm_up_compiles_every_prompt_width_once():
+    engine = Engine(language_model(max_len=64), slots=2)
+    timings = engine.warm_up()
+    assert engine.widths() == [8, 16, 24, 32, 48, 63]
+    assert set(timings) == {f"prefill {w}" for w in engine.widths()} | {"decode step"}
+    assert np.all(engine.counts == 0)
