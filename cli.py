@@ -484,7 +484,7 @@ def serve(
 
     from core import server as server_lib
 
-    served = server_lib.load(list(workdir or []), list(model or []), slots=max_batch, context=context)
+    served = server_lib.load(list(workdir or []), list(model or []), slots=max_batch, context=context, queue=queue)
     console = _console()
     for item in served:
         engine = item.engine

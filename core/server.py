@@ -625,7 +625,7 @@ class _Stream:
             self.finished.set_exception(error)
 
 
-def load(workdirs: list[Path], models: list[str], *, slots: int, context: int | None) -> list[Served]:
+def load(workdirs: list[Path], models: list[str], *, slots: int, context: int | None, queue: int) -> list[Served]:
     """The served models: each run of `workdirs` (its task read from its config.json) and each
     pretrained decoder of `models`, loaded and, for a language model, given an engine."""
     import tasks
@@ -639,23 +639,23 @@ def load(workdirs: list[Path], models: list[str], *, slots: int, context: int | 
             raise UserError(f"{workdir} holds no trained run (no config.json).")
         name = read_json(config, "train the run again into a new --workdir.").get("task")
         predictor = run.Predictor(tasks.get(name), workdir)
-        served.append(Served(Path(workdir).resolve().name, predictor, _engine(predictor, slots, context)))
+        served.append(Served(Path(workdir).resolve().name, predictor, _engine(predictor, slots, context, queue)))
     for model in models:
         predictor = run.Predictor(tasks.get("lm"), model=model)
-        served.append(Served(Path(model).name, predictor, _engine(predictor, slots, context)))
+        served.append(Served(Path(model).name, predictor, _engine(predictor, slots, context, queue)))
     return served
 
 
 DEFAULT_CONTEXT = 2048
 
 
-def _engine(predictor, slots: int, context: int | None) -> Engine | None:
+def _engine(predictor, slots: int, context: int | None, queue: int) -> Engine | None:
     """A generation engine for a language model (the lm task's), its slots `context` positions
-    long (default: the model's, at most DEFAULT_CONTEXT: each slot's cache is that long); None
-    for any other task."""
+    long (default: the model's, at most DEFAULT_CONTEXT: each slot's cache is that long), at
+    most `queue` requests waiting; None for any other task."""
     if predictor.task.name != "lm":
         return None
     limit = predictor.task.config.model.max_len
     if context is not None and not 2 <= context <= limit:
         raise UserError(f"--context {context}: must be from 2 to the model's {limit} positions.")
-    return Engine(predictor.model, slots=slots, context=context or min(limit, DEFAULT_CONTEXT))
+    return Engine(predictor.model, slots=slots, context=context or min(limit, DEFAULT_CONTEXT), queue_size=queue)

@@ -242,12 +242,16 @@ def test_serving_beyond_loopback_needs_a_key(tmp_path, tiny):
     assert result.exit_code == 1 and "give --api-key" in " ".join(result.output.split())
 
 
-def test_sigterm_finishes_the_requests_in_flight_then_exits(tmp_path, tiny):
-    process, url, log = start(tmp_path, "--model", str(tiny), "--max-batch", "1", key=None)
+def test_a_full_queue_is_503_and_sigterm_finishes_the_requests_in_flight_then_exits(tmp_path, tiny):
+    process, url, log = start(tmp_path, "--model", str(tiny), "--max-batch", "1", "--queue", "4", key=None)
+    # Six choices for one slot: five wait, one more than the queue holds.
+    refused = httpx.post(f"{url}/v1/completions", json={"prompt": "the", "max_tokens": 120, "n": 6}, timeout=60)
+    assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+    assert refused.json()["error"]["type"] == "overloaded"
     result = {}
 
     def long_request():
-        body = {"prompt": "the", "max_tokens": 120, "n": 12, "temperature": 0}
+        body = {"prompt": "the", "max_tokens": 120, "n": 4, "temperature": 0}
         result["response"] = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
 
     thread = threading.Thread(target=long_request)
@@ -261,7 +265,7 @@ def test_sigterm_finishes_the_requests_in_flight_then_exits(tmp_path, tiny):
     thread.join(10)
     response = result["response"]
     assert response.status_code == 200
-    assert [c["finish_reason"] for c in response.json()["choices"]] == ["length"] * 12
+    assert [c["finish_reason"] for c in response.json()["choices"]] == ["length"] * 4
     with pytest.raises(httpx.TransportError):
         httpx.get(f"{url}/health", timeout=2)
 
