@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -204,21 +205,19 @@ class Batcher:
                 await self._run(batch)
 
     async def _run(self, batch: list[_Pending]) -> None:
-        examples = [e for p in batch for e in p.examples]
+        groups = [p.examples for p in batch]
         try:
             rows = await asyncio.get_running_loop().run_in_executor(
-                self.served.worker, self.served.rows, examples, batch[0].values
+                self.served.worker, self.served.rows, groups, batch[0].values
             )
         except Exception as error:
             for pending in batch:
                 if not pending.future.done():
                     pending.future.set_exception(error)
             return
-        start = 0
-        for pending in batch:
+        for pending, found in zip(batch, rows):
             if not pending.future.done():
-                pending.future.set_result(rows[start : start + len(pending.examples)])
-            start += len(pending.examples)
+                pending.future.set_result(found)
 
 
 # What is served -------------------------------------------------------------------------------
@@ -239,12 +238,23 @@ class Served:
     def task(self):
         return self.predictor.task
 
-    def rows(self, examples: list[dict], values: dict[str, Any]) -> list[dict]:
+    def rows(self, groups: list[list[dict]], values: dict[str, Any]) -> list[list[dict]]:
+        """Each request's rows, its examples run with every other request's in one call."""
+        examples = [e for group in groups for e in group]
         predictions = self.predictor.run_examples(examples, values)
-        rows = self.task.render(predictions, examples, self.predictor.featurizer)
-        if len(rows) != len(examples):
-            raise RuntimeError(f"{self.task.name} rendered {len(rows)} rows for {len(examples)} examples")
-        return rows
+        featurizer = self.predictor.featurizer
+        rows = self.task.render(predictions, examples, featurizer)
+        bounds = np.cumsum([0, *(len(group) for group in groups)])
+        if len(rows) == len(examples):  # a row per example (most tasks)
+            return [rows[a:b] for a, b in zip(bounds, bounds[1:])]
+        # Several rows per example (recsys: one per recommended item): predictions indexed by
+        # example are cut per request and rendered apart.
+        if not all(len(value) == len(examples) for value in predictions.values()):
+            raise RuntimeError(f"{self.task.name}'s predictions cannot be told apart by request")
+        return [
+            self.task.render({k: v[a:b] for k, v in predictions.items()}, group, featurizer)
+            for group, a, b in zip(groups, bounds, bounds[1:])
+        ]
 
 
 def typed_options(task, given: dict[str, Any]) -> dict[str, Any]:

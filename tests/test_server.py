@@ -3,6 +3,8 @@ client (completions, chat, streaming), continuous batching that gives what one r
 gives, a disconnect freeing its slots, the key, every bad request with its status, predict
 batching, and SIGTERM draining what is in flight."""
 
+import base64
+import io
 import json
 import os
 import signal
@@ -13,12 +15,16 @@ import time
 from pathlib import Path
 
 import httpx2 as httpx
+import numpy as np
 import openai
 import pytest
+import soundfile
 from conftest import apps
 from test_multiprocess import free_port
 from tiny_gguf import write_tiny_gguf
 
+import tasks
+from core import run
 from tasks.nlp.lm import LanguageModel
 from tasks.protein.classify import ProteinClassTask
 
@@ -278,3 +284,51 @@ def test_a_request_never_names_a_file_on_the_server(tmp_path):
     assert task.parse_inputs([str(fasta)], {})[0]["sequence"] == "MKTAYIAKQR"  # the CLI reads the user's files
     served = task.parse_request([str(fasta)], {})  # the server takes the text as a sequence, never opens it
     assert [r["id"] for r in served] == ["input 1"] and served[0]["sequence"] == str(fasta).upper()
+
+
+def wav_base64(samples) -> str:
+    buffer = io.BytesIO()
+    soundfile.write(buffer, samples, 16_000, format="WAV", subtype="PCM_16")
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+@pytest.mark.slow
+def test_every_task_predicts_over_http_what_apps_predict_prints(tmp_path):
+    """A tiny run of every task behind one server: each predict endpoint answers the rows that
+    the in-process Predictor (what `apps predict` prints) gives for the same input; speech's
+    base64 upload gives what the same audio as a file gives."""
+    clip = (0.3 * np.sin(2 * np.pi * 440 * np.arange(8000) / 16000)).astype(np.float32)
+    wav = tmp_path / "tone.wav"
+    soundfile.write(wav, clip, 16_000, subtype="PCM_16")
+    given = {
+        "lm": ["The small fox"],
+        "sentiment": ["the dress was beautiful"],
+        "translate": ["big red dog"],
+        "summarize": ["big sleeps cat dog red"],
+        "recsys": ["25,26,27"],
+        "protein-mlm": ["WCSIHH?YLGGNPSSH"],
+        "protein-class": ["WCSIHHSYLGGNPSSH"],
+        "protein-residue": ["WCSIHHSYLGGNPSSH"],
+        "speech": [str(wav)],
+    }
+    workdirs = []
+    for name in sorted(tasks.REGISTRY):
+        workdir = tmp_path / name
+        run.train(tasks.get(name), workdir=workdir, preset="tiny", data="synthetic", overrides=["train.steps=4"])
+        workdirs += ["--workdir", str(workdir)]
+    process, url, log = start(tmp_path, *workdirs)
+    try:
+        for name, inputs in given.items():
+            options = {"max_new_tokens": 8} if name == "lm" else {}  # the tiny lm has 32 positions
+            expected = run.Predictor(tasks.get(name), tmp_path / name).predict(inputs, **options)
+            body = {"inputs": [wav_base64(clip)] if name == "speech" else inputs, "options": options}
+            response = httpx.post(f"{url}/v1/{name}/predict", json=body, headers=auth(), timeout=120)
+            assert response.status_code == 200, (name, response.text)
+            rows = response.json()["predictions"]
+            if name == "speech":
+                assert rows == [{**expected[0], "file": "input 1"}]
+            else:
+                assert rows == expected, name
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(60)
