@@ -86,6 +86,10 @@ class Message(Strict):
     content: str
 
 
+class StreamOptions(Strict):
+    include_usage: bool = False  # a last chunk with the token counts, before [DONE]
+
+
 class Sampling(Strict):
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -96,6 +100,7 @@ class Sampling(Strict):
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=0, lt=2**32)
     user: str | None = None
+    stream_options: StreamOptions | None = None
 
     def stops(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -495,8 +500,11 @@ class Server:
         self.metrics.queue.labels(served.name).set(engine.waiting.qsize())
         chat = kind == "chat.completion"
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        prompt_tokens = sum(len(p) for p in prompts)
         if body.stream:
-            return StreamingResponse(self._events(served, streams, events, ident, chat), media_type="text/event-stream")
+            usage = prompt_tokens if body.stream_options is not None and body.stream_options.include_usage else None
+            events_stream = self._events(served, streams, events, ident, chat, usage)
+            return StreamingResponse(events_stream, media_type="text/event-stream")
         try:
             await self._within(asyncio.gather(*(s.finished for s in streams)))
         finally:
@@ -508,19 +516,13 @@ class Server:
             | ({"message": {"role": "assistant", "content": s.text}} if chat else {"text": s.text})
             for s in streams
         ]
-        prompt_tokens = sum(len(p) for p in prompts)
-        completion_tokens = sum(len(s.ids) for s in streams)
         return {
             "id": ident,
             "object": kind,
             "created": int(time.time()),
             "model": served.name,
             "choices": choices,
-            "usage": {
-                "prompt_tokens": prompt_tokens,
-                "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens,
-            },
+            "usage": _usage(prompt_tokens, streams),
         }
 
     def _count(self, served: Served, streams: list[_Stream]) -> None:
@@ -530,24 +532,25 @@ class Server:
                 self.metrics.first_token.labels(served.name).observe(stream.first)
 
     async def _events(
-        self, served: Served, streams: list[_Stream], events: asyncio.Queue, ident: str, chat: bool
+        self,
+        served: Served,
+        streams: list[_Stream],
+        events: asyncio.Queue,
+        ident: str,
+        chat: bool,
+        prompt_tokens: int | None,
     ) -> AsyncIterator[str]:
         """Server-sent events: a chunk per piece of new text of any choice, a last chunk per
-        choice with its finish reason, then [DONE]. A client that goes away cancels them all."""
-        kind = "chat.completion.chunk" if chat else "text_completion"
-        created = int(time.time())
+        choice with its finish reason, a chunk of the token counts when `prompt_tokens` is given
+        (stream_options.include_usage), then [DONE]. A client that goes away cancels them all."""
+        head = {"id": ident, "object": "chat.completion.chunk" if chat else "text_completion"}
+        head |= {"created": int(time.time()), "model": served.name}
         open_streams = len(streams)
         try:
             if chat:
                 for stream in streams:
-                    chunk = {
-                        "index": stream.index,
-                        "delta": {"role": "assistant", "content": ""},
-                        "finish_reason": None,
-                    }
-                    yield _event(
-                        {"id": ident, "object": kind, "created": created, "model": served.name, "choices": [chunk]}
-                    )
+                    role = {"role": "assistant", "content": ""}
+                    yield _event(head | {"choices": [{"index": stream.index, "delta": role, "finish_reason": None}]})
             while open_streams:
                 try:
                     index, text, reason = await asyncio.wait_for(events.get(), self.timeout)
@@ -557,15 +560,25 @@ class Server:
                 if reason is not None:
                     open_streams -= 1
                 content = {"delta": {"content": text} if text else {}} if chat else {"text": text}
-                choice = {"index": index, **content, "finish_reason": reason, "logprobs": None}
                 yield _event(
-                    {"id": ident, "object": kind, "created": created, "model": served.name, "choices": [choice]}
+                    head | {"choices": [{"index": index, **content, "finish_reason": reason, "logprobs": None}]}
                 )
+            if prompt_tokens is not None:
+                yield _event(head | {"choices": [], "usage": _usage(prompt_tokens, streams)})
             yield "data: [DONE]\n\n"
         finally:
             for stream in streams:
                 stream.request.cancel()
             self._count(served, streams)
+
+
+def _usage(prompt_tokens: int, streams: list[_Stream]) -> dict[str, int]:
+    completion_tokens = sum(len(s.ids) for s in streams)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def _event(payload: dict) -> str:

@@ -106,8 +106,18 @@ def test_the_openai_client_completes_chats_and_streams_what_the_model_gives_in_p
     answer = client(url).completions.create(model="tiny.gguf", prompt="the", max_tokens=8, temperature=0)
     assert answer.choices[0].text == expected and answer.choices[0].finish_reason == "length"
     assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (2, 8)  # the start id and "the"
-    streamed = client(url).completions.create(model="tiny.gguf", prompt="the", max_tokens=8, temperature=0, stream=True)
-    assert "".join(chunk.choices[0].text for chunk in streamed) == expected
+    streamed = list(
+        client(url).completions.create(
+            model="tiny.gguf",
+            prompt="the",
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert "".join(chunk.choices[0].text for chunk in streamed[:-1]) == expected
+    assert streamed[-1].choices == [] and streamed[-1].usage.completion_tokens == 8
 
     messages = [{"role": "user", "content": "hi there"}]
     said = local.generate([json.dumps(messages)], max_new_tokens=6, temperature=0.0, chat=True)[0]
