@@ -482,9 +482,18 @@ def serve(
     _show_task_log()
     import uvicorn
 
+    import tasks
     from core import server as server_lib
 
-    served = server_lib.load(list(workdir or []), list(model or []), slots=max_batch, context=context, queue=queue)
+    served = server_lib.load(
+        list(workdir or []),
+        list(model or []),
+        tasks.get,
+        tasks.get("lm"),
+        slots=max_batch,
+        context=context,
+        queue=queue,
+    )
     console = _console()
     for item in served:
         engine = item.engine

@@ -36,7 +36,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -648,10 +648,19 @@ class _Stream:
             self.finished.set_exception(error)
 
 
-def load(workdirs: list[Path], models: list[str], *, slots: int, context: int | None, queue: int) -> list[Served]:
-    """The served models: each run of `workdirs` (its task read from its config.json) and each
-    pretrained decoder of `models`, loaded and, for a language model, given an engine."""
-    import tasks
+def load(
+    workdirs: list[Path],
+    models: list[str],
+    task_named: Callable[[str], type],
+    decoder_task: type,
+    *,
+    slots: int,
+    context: int | None,
+    queue: int,
+) -> list[Served]:
+    """The served models: each run of `workdirs` (its task read from its config.json and found
+    by `task_named`, the registry's lookup) and each pretrained decoder of `models` (served by
+    `decoder_task`, which `completes`), loaded and, for a language model, given an engine."""
     from core import run
     from core.checkpoint import read_json
 
@@ -661,10 +670,10 @@ def load(workdirs: list[Path], models: list[str], *, slots: int, context: int | 
         if not config.is_file():
             raise UserError(f"{workdir} holds no trained run (no config.json).")
         name = read_json(config, "train the run again into a new --workdir.").get("task")
-        predictor = run.Predictor(tasks.get(name), workdir)
+        predictor = run.Predictor(task_named(name), workdir)
         served.append(Served(Path(workdir).resolve().name, predictor, _engine(predictor, slots, context, queue)))
     for model in models:
-        predictor = run.Predictor(tasks.get("lm"), model=model)
+        predictor = run.Predictor(decoder_task, model=model)
         served.append(Served(Path(model).name, predictor, _engine(predictor, slots, context, queue)))
     return served
 
@@ -673,10 +682,10 @@ DEFAULT_CONTEXT = 2048
 
 
 def _engine(predictor, slots: int, context: int | None, queue: int) -> Engine | None:
-    """A generation engine for a language model (the lm task's), its slots `context` positions
+    """A generation engine for a language model (a task that `completes`), its slots `context` positions
     long (default: the model's, at most DEFAULT_CONTEXT: each slot's cache is that long), at
     most `queue` requests waiting; None for any other task."""
-    if predictor.task.name != "lm":
+    if not predictor.task.completes:
         return None
     limit = predictor.task.config.model.max_len
     if context is not None and not 2 <= context <= limit:

@@ -195,6 +195,7 @@ class LMTask(Task):
     lower_is_better: ClassVar[bool] = True
     generates: ClassVar[bool] = True
     zero_shot: ClassVar[bool] = True
+    completes: ClassVar[bool] = True
     predict_options: ClassVar[tuple[PredictOption, ...]] = (
         PredictOption("max_new_tokens", int, 100, "pieces to generate at most (fewer if EOS comes)"),
         PredictOption("temperature", float, 0.8, "softmax temperature; 0 is greedy"),
