@@ -4,6 +4,7 @@ gives, a disconnect freeing its slots, the key, every bad request with its statu
 batching, and SIGTERM draining what is in flight."""
 
 import base64
+import contextlib
 import io
 import json
 import os
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx2 as httpx
@@ -33,23 +35,31 @@ KEY = "test-key-1234"
 PROMPTS = ["the", "a b c", "then there", "x", "thee the", "zz top"]
 
 
-def start(tmp: Path, *args: str, key: str | None = KEY) -> tuple[subprocess.Popen, str, Path]:
-    """A server of `args` (its models and options), once /health answers: (process, base URL, log)."""
+@contextlib.contextmanager
+def serving(tmp: Path, *args: str, key: str | None = KEY) -> Iterator[tuple[subprocess.Popen, str, Path]]:
+    """A server of `args` (its models and options), once /health answers: (process, base URL,
+    log); killed on the way out if it is still running."""
     port = free_port()
     log = tmp / f"server-{port}.log"
     command = [sys.executable, "-m", "cli", "serve", "--port", str(port), *args, *(["--api-key", key] if key else [])]
     environment = os.environ | {"COLUMNS": "400"}
     with log.open("w") as output:
         process = subprocess.Popen(command, cwd=ROOT, env=environment, stdout=output, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return process, url, log
-        except httpx.TransportError:
-            time.sleep(0.2)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 180
+        while True:
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        yield process, url, log
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
 
 
 @pytest.fixture(scope="module")
@@ -74,12 +84,14 @@ def server(tmp_path_factory, tiny):
         sentiment,
     )
     assert trained.exit_code == 0, trained.output
-    process, url, log = start(
+    with serving(
         tmp, "--workdir", str(sentiment), "--model", str(tiny), "--max-batch", "4", "--max-wait-ms", "300"
-    )
-    yield url, log
-    process.send_signal(signal.SIGTERM)
-    process.wait(60)
+    ) as (
+        _,
+        url,
+        log,
+    ):
+        yield url, log
 
 
 def client(url: str) -> openai.OpenAI:
@@ -259,26 +271,26 @@ def test_serving_beyond_loopback_needs_a_key(tmp_path, tiny):
 
 
 def test_a_full_queue_is_503_and_sigterm_finishes_the_requests_in_flight_then_exits(tmp_path, tiny):
-    process, url, log = start(tmp_path, "--model", str(tiny), "--max-batch", "1", "--queue", "4", key=None)
-    # Six choices for one slot: five wait, one more than the queue holds.
-    refused = httpx.post(f"{url}/v1/completions", json={"prompt": "the", "max_tokens": 120, "n": 6}, timeout=60)
-    assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
-    assert refused.json()["error"]["type"] == "overloaded"
-    result = {}
+    with serving(tmp_path, "--model", str(tiny), "--max-batch", "1", "--queue", "4", key=None) as (process, url, log):
+        # Six choices for one slot: five wait, one more than the queue holds.
+        refused = httpx.post(f"{url}/v1/completions", json={"prompt": "the", "max_tokens": 120, "n": 6}, timeout=60)
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["type"] == "overloaded"
+        result = {}
 
-    def long_request():
-        body = {"prompt": "the", "max_tokens": 120, "n": 4, "temperature": 0}
-        result["response"] = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+        def long_request():
+            body = {"prompt": "the", "max_tokens": 120, "n": 4, "temperature": 0}
+            result["response"] = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
 
-    thread = threading.Thread(target=long_request)
-    thread.start()
-    while metric(url, "apps_busy_slots", model="tiny.gguf") == 0:
-        assert thread.is_alive()
-        time.sleep(0.01)
-    process.send_signal(signal.SIGTERM)
-    # Drained, uvicorn raises the signal again: the process ends as SIGTERM's, as a scheduler expects.
-    assert process.wait(120) == -signal.SIGTERM, log.read_text()[-3000:]
-    thread.join(10)
+        thread = threading.Thread(target=long_request)
+        thread.start()
+        while metric(url, "apps_busy_slots", model="tiny.gguf") == 0:
+            assert thread.is_alive()
+            time.sleep(0.01)
+        process.send_signal(signal.SIGTERM)
+        # Drained, uvicorn raises the signal again: the process ends as SIGTERM's, as a scheduler expects.
+        assert process.wait(120) == -signal.SIGTERM, log.read_text()[-3000:]
+        thread.join(10)
     response = result["response"]
     assert response.status_code == 200
     assert [c["finish_reason"] for c in response.json()["choices"]] == ["length"] * 4
@@ -326,8 +338,7 @@ def test_every_task_predicts_over_http_what_apps_predict_prints(tmp_path):
         workdir = tmp_path / name
         run.train(tasks.get(name), workdir=workdir, preset="tiny", data="synthetic", overrides=["train.steps=4"])
         workdirs += ["--workdir", str(workdir)]
-    process, url, log = start(tmp_path, *workdirs)
-    try:
+    with serving(tmp_path, *workdirs) as (_, url, _):
         for name, inputs in given.items():
             options = {"max_new_tokens": 8} if name == "lm" else {}  # the tiny lm has 32 positions
             expected = run.Predictor(tasks.get(name), tmp_path / name).predict(inputs, **options)
@@ -339,6 +350,3 @@ def test_every_task_predicts_over_http_what_apps_predict_prints(tmp_path):
                 assert rows == [{**expected[0], "file": "input 1"}]
             else:
                 assert rows == expected, name
-    finally:
-        process.send_signal(signal.SIGTERM)
-        process.wait(60)
