@@ -552,7 +552,8 @@ def bench(
         typer.Argument(
             help="Train step configs: small, big (default both); decode: greedy generation on the small "
             "and GPT-2-sized decoders (decode-small, decode-gpt2: one of them); transcribe: Whisper's "
-            "real-time factor (with --model); translate, summarize: each preset's training and decoding speed."
+            "real-time factor (with --model); translate, summarize: each preset's training and decoding speed; "
+            "serve: apps serve under concurrent clients (with --model; --clients, --against)."
         ),
     ] = None,
     steps: Annotated[int, typer.Option(help="Timed train steps per config, after warm-up.")] = 10,
@@ -566,6 +567,10 @@ def bench(
     json_path: Annotated[
         Optional[Path], typer.Option("--json", help="Also write the figures to this JSON file.")
     ] = None,
+    clients: Annotated[str, typer.Option(help="serve: concurrent client counts, comma-separated.")] = "1,4,16,64",
+    against: Annotated[
+        Optional[list[str]], typer.Option(help="serve: another OpenAI-compatible base URL (…/v1) to load alike.")
+    ] = None,
 ) -> None:
     """Time the core's jitted train step (tokens/s, step time, compile time, MFU) or decoding (new tokens/s)."""
     import json
@@ -577,6 +582,15 @@ def bench(
         from tasks.nlp import bench as nlp_bench
 
         results = {configs[0]: nlp_bench.seq2seq(tasks.get(configs[0]), _console())}
+    elif configs == ["serve"]:
+        from core import serve_bench
+
+        try:
+            counts = [int(c) for c in clients.split(",")]
+        except ValueError:
+            raise UserError(f"--clients {clients!r}: expected counts separated by commas, e.g. 1,4,16.") from None
+        name = model or "smollm2-135m-instruct"
+        results = {"serve": serve_bench.main(name, counts, _console(), list(against or []))}
     elif configs == ["transcribe"]:
         if model is None:
             raise UserError("apps bench transcribe needs --model (whisper-tiny.en, whisper-base).")

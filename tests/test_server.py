@@ -26,7 +26,7 @@ from test_multiprocess import free_port
 from tiny_gguf import write_tiny_gguf
 
 import tasks
-from core import run
+from core import run, serve_bench
 from tasks.nlp.lm import LanguageModel
 from tasks.protein.classify import ProteinClassTask
 
@@ -350,3 +350,16 @@ def test_every_task_predicts_over_http_what_apps_predict_prints(tmp_path):
                 assert rows == [{**expected[0], "file": "input 1"}]
             else:
                 assert rows == expected, name
+
+
+def test_the_load_benchmark_counts_every_request_and_token(server, monkeypatch):
+    url, _ = server
+    monkeypatch.setattr(serve_bench, "PROMPTS", ("the", "a b c"))  # the tiny model reads 128 positions
+    monkeypatch.setattr(serve_bench, "MAX_TOKENS", (8, 20))
+    before = metric(url, "apps_generated_tokens_total", model="tiny.gguf")
+    figures = serve_bench.run_load(f"{url}/v1", "tiny.gguf", clients=3, requests=8, api_key=KEY)
+    generated = metric(url, "apps_generated_tokens_total", model="tiny.gguf") - before
+    assert figures["requests"] == 8 and figures["clients"] == 3
+    assert figures["tokens/s"] * figures["seconds"] == pytest.approx(generated)  # every answer's usage, summed
+    assert 0 < figures["p50 first token"] <= figures["p99 first token"] <= figures["p99 latency"]
+    assert serve_bench.workload(8)[:3] == [("the", 8), ("a b c", 8), ("the", 20)]
