@@ -433,6 +433,9 @@ class Server:
                     401, "A valid API key is needed: send Authorization: Bearer KEY.", None, "authentication_error"
                 )
         length = request.headers.get("content-length")
+        if request.method == "POST" and length is None:
+            # A chunked body's size is known only once read: the limit needs it up front.
+            raise ApiError(411, "Send the body with a Content-Length header.", "body")
         if length is not None and (not length.isdigit() or int(length) > self.max_body):
             raise ApiError(413, f"The body is larger than the {self.max_body} bytes this server takes.", "body")
 

@@ -253,6 +253,15 @@ def test_each_bad_request_is_a_json_error_naming_its_field_and_the_server_goes_o
     assert httpx.get(f"{url}/health").json()["status"] == "ok"
 
 
+def test_a_body_of_unknown_length_is_refused(server):
+    url, _ = server
+    chunks = iter([b'{"prompt": ', b'"the"}'])  # sent chunked, without a Content-Length
+    response = httpx.post(
+        f"{url}/v1/completions", content=chunks, headers={**auth(), "content-type": "application/json"}
+    )
+    assert response.status_code == 411 and response.json()["error"]["param"] == "body"
+
+
 def test_the_key_is_required_everywhere_but_health(server):
     url, _ = server
     assert httpx.get(f"{url}/health").status_code == 200
