@@ -143,6 +143,7 @@ class Engine:
         self._run_step(np.zeros(self.slots, bool))
         timings["decode step"] = time.perf_counter() - started
         self.counts[:] = 0
+        self.prefills = self.steps = 0  # the counts are of requests served
         return timings
 
     def start(self) -> None:

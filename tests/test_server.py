@@ -307,6 +307,18 @@ def test_a_full_queue_is_503_and_sigterm_finishes_the_requests_in_flight_then_ex
         httpx.get(f"{url}/health", timeout=2)
 
 
+def test_a_request_past_the_timeout_is_504_and_frees_its_slots(tmp_path, tiny):
+    with serving(tmp_path, "--model", str(tiny), "--max-batch", "1", "--timeout", "0.3", key=None) as (_, url, _):
+        body = {"prompt": "the", "max_tokens": 120, "n": 12, "temperature": 0}  # 1,440 steps in one slot
+        response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert response.status_code == 504 and response.json()["error"]["type"] == "timeout"
+        deadline = time.monotonic() + 20
+        while metric(url, "apps_busy_slots", model="tiny.gguf") > 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert metric(url, "apps_prefills", model="tiny.gguf") < 12  # the waiting choices were dropped
+
+
 def test_a_request_never_names_a_file_on_the_server(tmp_path):
     fasta = tmp_path / "secret.fasta"
     fasta.write_text(">secret\nMKTAYIAKQR\n")
