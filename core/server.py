@@ -33,6 +33,7 @@ import asyncio
 import hmac
 import json
 import logging
+import re
 import secrets
 import time
 import uuid
@@ -54,6 +55,10 @@ from core.slots import Engine, QueueFull
 from core.slots import Request as Generation
 
 log = logging.getLogger("apps")
+
+
+ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
+PREDICT = re.compile(r"/v1/[a-z0-9-]+/predict")
 
 
 class ApiError(Exception):
@@ -195,8 +200,10 @@ class Batcher:
                     held.remove(same)
                 else:
                     try:
-                        same = await asyncio.wait_for(self.queue.get(), max(deadline - time.monotonic(), 0))
-                    except TimeoutError:
+                        left = deadline - time.monotonic()
+                        # Past the wait, what has already arrived still joins.
+                        same = await asyncio.wait_for(self.queue.get(), left) if left > 0 else self.queue.get_nowait()
+                    except (TimeoutError, asyncio.QueueEmpty):
                         break
                     if same.key != first.key:
                         held.append(same)
@@ -352,8 +359,9 @@ class Server:
 
         @app.middleware("http")
         async def guard(request: Request, call_next):
-            endpoint = request.url.path if request.url.path in ("/health", "/metrics", "/v1/models") else None
-            endpoint = endpoint or ("/v1/{task}/predict" if request.url.path.endswith("/predict") else request.url.path)
+            path = request.url.path
+            # A label per route, not per path: a client's stray URLs must not grow the metrics.
+            endpoint = path if path in ENDPOINTS else "/v1/{task}/predict" if PREDICT.fullmatch(path) else "other"
             started = time.perf_counter()
             try:
                 self._check(request)
@@ -368,6 +376,12 @@ class Server:
         async def api_error(request: Request, error: ApiError):
             headers = {"Retry-After": "1"} if error.status == 503 else None
             return error.response(headers)
+
+        @app.exception_handler(Exception)
+        async def failed(request: Request, error: Exception):
+            log.exception("A request failed.")
+            message = f"The server failed on this request ({type(error).__name__}: {error})."
+            return ApiError(500, message, kind="server_error").response()
 
         @app.exception_handler(RequestValidationError)
         async def invalid(request: Request, error: RequestValidationError):
@@ -397,8 +411,8 @@ class Server:
         async def predict(task: str, body: PredictBody):
             served = self.model(body.model, task)
             values = typed_options(served.task, body.options)
-            try:
-                examples = served.task.parse_request(body.inputs, values)
+            try:  # off the event loop: audio is decoded and resampled here
+                examples = await asyncio.to_thread(served.task.parse_request, body.inputs, values)
             except UserError as error:
                 raise ApiError(400, str(error), "inputs") from None
             rows = await self._within(served.batcher.predict(examples, values))
