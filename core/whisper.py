@@ -23,6 +23,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -105,7 +106,8 @@ class WhisperFamily(Family):
             raise UserError(f"{where}: the encoder has {heads} heads and the decoder {int(v['decoder/num_heads'])}.")
         d_model = v["encoder/conv1/weight"].shape[0]
         table = v["encoder/position_encodings/encodings"]
-        expected = transformer.sinusoids(jnp.arange(table.shape[0])[None, :], table.shape[1])[0]
+        with jax.ensure_compile_time_eval():  # a check on values, also when built abstractly (core.memory)
+            expected = transformer.sinusoids(jnp.arange(table.shape[0])[None, :], table.shape[1])[0]
         if np.abs(table.astype(np.float32) - np.asarray(expected)).max() > 1e-2:
             raise UserError(f"{where}: the encoder's position table is not Whisper's sinusoids.")
         config = ModelConfig(
