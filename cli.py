@@ -571,6 +571,9 @@ def bench(
     against: Annotated[
         Optional[list[str]], typer.Option(help="serve: another OpenAI-compatible base URL (…/v1) to load alike.")
     ] = None,
+    context: Annotated[
+        Optional[int], typer.Option(help="serve: positions per slot of the served model (apps serve --context).")
+    ] = None,
 ) -> None:
     """Time the core's jitted train step (tokens/s, step time, compile time, MFU) or decoding (new tokens/s)."""
     import json
@@ -590,7 +593,7 @@ def bench(
         except ValueError:
             raise UserError(f"--clients {clients!r}: expected counts separated by commas, e.g. 1,4,16.") from None
         name = model or "smollm2-135m-instruct"
-        results = {"serve": serve_bench.main(name, counts, _console(), list(against or []))}
+        results = {"serve": serve_bench.main(name, counts, _console(), list(against or []), context=context)}
     elif configs == ["transcribe"]:
         if model is None:
             raise UserError("apps bench transcribe needs --model (whisper-tiny.en, whisper-base).")

@@ -9,8 +9,9 @@ URL (any OpenAI-compatible server, such as llama.cpp's `llama-server` on the sam
 client sends its requests one after another, streamed, so that the time to the first token is
 seen; the requests mix short and long prompts (`PROMPTS`) and outputs (`MAX_TOKENS`), greedy,
 in an order fixed by the request's number. Reported per server and client count: requests per
-second, generated tokens per second (from each answer's usage), and the median and 99th
-percentile of the latency and of the time to the first token.
+second, generated tokens per second (from each answer's usage; from a server that sends none,
+such as llama-cpp-python's, the streamed chunks that carry text, one per token there), and the
+median and 99th percentile of the latency and of the time to the first token.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def run_load(url: str, model: str, clients: int, requests: int, api_key: str | N
                     "stream": True,
                     "stream_options": {"include_usage": True},
                 }
-                started, first, tokens = time.perf_counter(), None, 0
+                started, first, tokens, pieces = time.perf_counter(), None, None, 0
                 try:
                     with session.stream("POST", f"{url}/chat/completions", json=body) as response:
                         if response.status_code != 200:
@@ -84,16 +85,17 @@ def run_load(url: str, model: str, clients: int, requests: int, api_key: str | N
                             chunk = json.loads(line[6:])
                             if chunk.get("usage"):
                                 tokens = chunk["usage"]["completion_tokens"]
-                            if first is None and any(
-                                c.get("delta", {}).get("content") for c in chunk.get("choices", [])
-                            ):
-                                first = time.perf_counter() - started
+                            if any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
+                                pieces += 1
+                                if first is None:
+                                    first = time.perf_counter() - started
                 except Exception as error:  # a failed request is reported, not hidden in the figures
                     with lock:
                         failures.append(str(error))
                     continue
                 with lock:
-                    results.append({"latency": time.perf_counter() - started, "first": first, "tokens": tokens})
+                    latency = time.perf_counter() - started
+                    results.append({"latency": latency, "first": first, "tokens": pieces if tokens is None else tokens})
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
     started = time.perf_counter()
@@ -128,13 +130,15 @@ def _free_port() -> int:
 class _Server:
     """`apps serve --model MODEL --max-batch N` in a subprocess, for the length of a `with`."""
 
-    def __init__(self, model: str, max_batch: int):
-        self.model, self.max_batch = model, max_batch
+    def __init__(self, model: str, max_batch: int, context: int | None = None):
+        self.model, self.max_batch, self.context = model, max_batch, context
 
     def __enter__(self) -> str:
         port = _free_port()
         command = [sys.executable, "-m", "cli", "serve", "--model", self.model, "--port", str(port)]
         command += ["--max-batch", str(self.max_batch)]
+        if self.context is not None:
+            command += ["--context", str(self.context)]
         self.log = open(os.devnull, "w")  # noqa: SIM115 - closed in __exit__
         self.process = subprocess.Popen(command, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
@@ -157,9 +161,15 @@ class _Server:
 
 
 def main(
-    model: str, clients: list[int], console: Console, against: list[str] = (), requests: int | None = None
+    model: str,
+    clients: list[int],
+    console: Console,
+    against: list[str] = (),
+    requests: int | None = None,
+    context: int | None = None,
 ) -> list[dict]:
-    """The table of the module's text: this server batched and at one slot, then each other one."""
+    """The table of the module's text: this server batched and at one slot (each slot `context`
+    positions long; None: the server's default), then each other one."""
     if any(c < 1 for c in clients):
         raise UserError("--clients: each count must be at least 1.")
     name = Path(model).name
@@ -174,7 +184,7 @@ def main(
     targets += [(url, url, None) for url in against]
     for label, url, batch in targets:
         if url is None:
-            with _Server(model, batch) as served:
+            with _Server(model, batch, context) as served:
                 found = [run_load(served, name, c, requests or max(2 * c, 12)) for c in clients]
         else:
             found = [run_load(url.rstrip("/"), name, c, requests or max(2 * c, 12)) for c in clients]

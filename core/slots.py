@@ -64,12 +64,24 @@ class QueueFull(Exception):
 
 
 def _pick(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, seed: jax.Array, count: jax.Array):
-    """One row's next token from its logits [V]: greedy at temperature 0, else sampled in the
-    nucleus of top_p with the key of (seed, count)."""
-    key = jax.random.fold_in(jax.random.key(seed), count)
-    scaled = filter_logits((logits / jnp.maximum(temperature, 1e-6))[None], None, top_p)[0]
-    drawn = jax.random.categorical(key, scaled)
-    return jnp.where(temperature > 0, drawn, jnp.argmax(logits)).astype(jnp.int32)
+    """Each row's next token from logits [S, V] and its settings [S]: greedy at temperature 0,
+    else sampled in the nucleus of top_p with the key of (seed, count).
+
+    The draws (random bits for every entry of the vocabulary) and the nucleus (a sort of it) cost
+    more than the rest of a small model's step at a large vocabulary, so each runs only when some
+    row asks for it: a real branch on the CPU, and a row's tokens never depend on whether its
+    neighbours sample (top_p 1 keeps every logit, with or without the sort)."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def sampled():
+        scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+        nucleus = jnp.any((temperature > 0) & (top_p < 1))
+        scaled = jax.lax.cond(nucleus, lambda: filter_logits(scaled, None, top_p[:, None]), lambda: scaled)
+        keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seed, count)
+        drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+        return jnp.where(temperature > 0, drawn, greedy)
+
+    return jax.lax.cond(jnp.any(temperature > 0), sampled, lambda: greedy)
 
 
 class Engine:
@@ -108,7 +120,8 @@ class Engine:
         logits = logits_of(model, jnp.take_along_axis(hidden, (length - 1).reshape(1, 1, 1), axis=1))[0]
         cache = jax.tree.map(lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r, slot, axis=0), cache, row)
         temperature, top_p, seed = sampling
-        return _pick(logits, temperature, top_p, seed, jnp.int32(0)), cache
+        row = (jnp.atleast_1d(v) for v in (temperature, top_p, seed, jnp.int32(0)))
+        return _pick(logits[None], *row)[0], cache
 
     def _decode_step(self, params, cache, tokens, active, temperature, top_p, seed, count):
         """One token for every slot [S] -> (the next token of each, the cache); an idle slot
@@ -118,7 +131,7 @@ class Engine:
         x, _ = model.embedder(tokens[:, None], jnp.ones((tokens.shape[0], 1), bool))
         hidden, cache = model.body.extend(x, cache)
         logits = logits_of(model, hidden)
-        return jax.vmap(_pick)(logits, temperature, top_p, seed, count), cache
+        return _pick(logits, temperature, top_p, seed, count), cache
 
     # Running ---------------------------------------------------------------------------------
 

@@ -384,3 +384,31 @@ def test_the_load_benchmark_counts_every_request_and_token(server, monkeypatch):
     assert figures["tokens/s"] * figures["seconds"] == pytest.approx(generated)  # every answer's usage, summed
     assert 0 < figures["p50 first token"] <= figures["p99 first token"] <= figures["p99 latency"]
     assert serve_bench.workload(8)[:3] == [("the", 8), ("a b c", 8), ("the", 20)]
+
+
+def test_the_load_benchmark_counts_streamed_pieces_from_a_server_that_sends_no_usage():
+    """llama-cpp-python's server ignores stream_options and sends no usage: the benchmark then
+    counts the chunks that carry text (one token each there), and none of the others."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            deltas = [{"role": "assistant"}, {"content": "Hel"}, {"content": "lo"}, {"content": "!"}, {}]
+            for delta in deltas:
+                self.wfile.write(f"data: {json.dumps({'choices': [{'index': 0, 'delta': delta}]})}\n\n".encode())
+            self.wfile.write(b"data: [DONE]\n\n")
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        figures = serve_bench.run_load(f"http://127.0.0.1:{server.server_port}/v1", "m", clients=2, requests=4)
+    finally:
+        server.shutdown()
+    assert figures["tokens/s"] * figures["seconds"] == pytest.approx(4 * 3)

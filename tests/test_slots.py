@@ -77,6 +77,26 @@ def test_sampling_depends_on_the_seed_alone_not_on_the_slot_or_the_neighbours():
     assert all(0 <= t < VOCAB for c in crowd for t in c.tokens)
 
 
+def test_a_request_decodes_alike_whether_or_not_its_neighbours_sample_or_cut_a_nucleus():
+    """The step draws random numbers only when some slot samples and sorts the vocabulary only
+    when some slot cuts a nucleus: a greedy request among sampling ones, and a plain sampled one
+    (top_p 1) beside a nucleus, give what they give among their own kind."""
+    model = language_model()
+    greedy, plain = dict(), dict(temperature=0.8, seed=3)
+    alone = [Collector(), Collector()]
+    run_all(Engine(model, slots=2), [Request(PROMPTS[0], 10, alone[0], **greedy)], alone[:1])
+    run_all(Engine(model, slots=2), [Request(PROMPTS[1], 10, alone[1], **plain)], alone[1:])
+    mixed = [Collector() for _ in range(3)]
+    requests = [
+        Request(PROMPTS[0], 10, mixed[0], **greedy),
+        Request(PROMPTS[1], 10, mixed[1], **plain),
+        Request(PROMPTS[2], 10, mixed[2], temperature=1.0, top_p=0.5, seed=9),
+    ]
+    run_all(Engine(model, slots=3), requests, mixed)
+    assert mixed[0].tokens == alone[0].tokens == list(generate(model, [PROMPTS[0]], max_new_tokens=10).tokens[0])
+    assert mixed[1].tokens == alone[1].tokens
+
+
 def test_a_cancelled_request_frees_its_slot_for_the_next():
     model = language_model(max_len=64)
     engine = Engine(model, slots=1)
