@@ -16,6 +16,7 @@ median and 99th percentile of the latency and of the time to the first token.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -31,7 +32,6 @@ from rich.console import Console
 from core.bench import figures
 from core.errors import UserError
 
-CLIENTS = (1, 4, 16, 64)
 MAX_TOKENS = (16, 48, 96, 128)
 _STORY = (
     "The harbour town woke slowly. Fishing boats came back with the tide, gulls followed them in, "
@@ -93,8 +93,8 @@ def run_load(url: str, model: str, clients: int, requests: int, api_key: str | N
                     with lock:
                         failures.append(str(error))
                     continue
+                latency = time.perf_counter() - started
                 with lock:
-                    latency = time.perf_counter() - started
                     results.append({"latency": latency, "first": first, "tokens": pieces if tokens is None else tokens})
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
@@ -176,18 +176,16 @@ def main(
     rows = []
     table = figures(
         f"apps serve under load: {name}",
-        "streamed greedy chat completions, prompts and outputs mixed; tokens from each answer's usage",
+        "streamed greedy chat completions, prompts and outputs mixed; tokens from each answer's usage "
+        "(or its streamed pieces)",
         ("server", "clients", "requests", "req/s", "tokens/s", "p50 s", "p99 s", "p50 TTFT s", "p99 TTFT s"),
     )
-    servers = [(f"apps serve, {batch} slot{'s' * (batch > 1)}", batch) for batch in (8, 1)]
-    targets: list[tuple[str, str | None, int | None]] = [(label, None, batch) for label, batch in servers]
-    targets += [(url, url, None) for url in against]
-    for label, url, batch in targets:
-        if url is None:
-            with _Server(model, batch, context) as served:
-                found = [run_load(served, name, c, requests or max(2 * c, 12)) for c in clients]
-        else:
-            found = [run_load(url.rstrip("/"), name, c, requests or max(2 * c, 12)) for c in clients]
+    # Each target: its label and what gives its base URL for the length of its runs.
+    targets = [(f"apps serve, {batch} slot{'s' * (batch > 1)}", _Server(model, batch, context)) for batch in (8, 1)]
+    targets += [(url, contextlib.nullcontext(url.rstrip("/"))) for url in against]
+    for label, server in targets:
+        with server as url:
+            found = [run_load(url, name, c, requests or max(2 * c, 12)) for c in clients]
         for figure in found:
             rows.append({"server": label, **figure})
             table.add_row(
