@@ -93,10 +93,13 @@ class Engine:
             raise ValueError("Continuous batching needs a causal (decoder-only) model.")
         self.slots, self.context = slots, min(context or config.max_len, config.max_len)
         self.graphdef, params = nnx.split(model)
-        # On one device, whatever mesh the run was loaded onto: the cache lives there too.
-        self.params = jax.device_put(params, jax.local_devices()[0])
+        # On one device, whatever mesh the run was loaded onto: the cache lives there too, placed
+        # there from the start (a step returns it so placed, and a program compiled for the first
+        # placement would compile again for the second at the first request).
+        device = jax.local_devices()[0]
+        self.params = jax.device_put(params, device)
         dtype = model.embedder.embedding.embedding[...].dtype
-        self.cache = model.body.init_cache(slots, self.context, dtype)
+        self.cache = jax.device_put(model.body.init_cache(slots, self.context, dtype), device)
         self.waiting: queue.Queue[Request] = queue.Queue(maxsize=queue_size)
         self.active: list[Request | None] = [None] * slots
         self.counts = np.zeros(slots, np.int32)  # tokens each slot's request has had

@@ -126,9 +126,14 @@ def test_the_queue_is_bounded_and_a_request_past_the_context_is_refused():
         engine.submit(Request([1] * 20, 5, Collector()))
 
 
-def test_warm_up_compiles_every_prompt_width_once():
+def test_warm_up_compiles_every_prompt_width_once_and_requests_compile_nothing_more():
     engine = Engine(language_model(max_len=64), slots=2)
     timings = engine.warm_up()
     assert engine.widths() == [8, 16, 24, 32, 48, 63]
     assert set(timings) == {f"prefill {w}" for w in engine.widths()} | {"decode step"}
     assert np.all(engine.counts == 0)
+    compiled = engine._prefill._cache_size(), engine._step._cache_size()
+    assert compiled == (len(engine.widths()), 1)
+    collectors = [Collector(), Collector()]  # the first requests, at the first width, compile nothing more
+    run_all(engine, [Request(PROMPTS[0], 4, collectors[0]), Request(PROMPTS[1], 6, collectors[1])], collectors)
+    assert (engine._prefill._cache_size(), engine._step._cache_size()) == compiled
