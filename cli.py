@@ -553,7 +553,8 @@ def bench(
             help="Train step configs: small, big (default both); decode: greedy generation on the small "
             "and GPT-2-sized decoders (decode-small, decode-gpt2: one of them); transcribe: Whisper's "
             "real-time factor (with --model); translate, summarize: each preset's training and decoding speed; "
-            "serve: apps serve under concurrent clients (with --model; --clients, --against)."
+            "serve: apps serve under concurrent clients (--model or --workdir; --clients, --seconds, --slots, "
+            "--against)."
         ),
     ] = None,
     steps: Annotated[int, typer.Option(help="Timed train steps per config, after warm-up.")] = 10,
@@ -568,6 +569,11 @@ def bench(
         Optional[Path], typer.Option("--json", help="Also write the figures to this JSON file.")
     ] = None,
     clients: Annotated[str, typer.Option(help="serve: concurrent client counts, comma-separated.")] = "1,4,16,64",
+    seconds: Annotated[float, typer.Option(help="serve: seconds of load per client count.")] = 60.0,
+    slots: Annotated[int, typer.Option(help="serve: slots of the batched server (its --max-batch).")] = 16,
+    workdir: Annotated[
+        Optional[Path], typer.Option(help="serve: a trained lm run to load, instead of --model's pretrained decoder.")
+    ] = None,
     against: Annotated[
         Optional[list[str]], typer.Option(help="serve: another OpenAI-compatible base URL (…/v1) to load alike.")
     ] = None,
@@ -592,8 +598,15 @@ def bench(
             counts = [int(c) for c in clients.split(",")]
         except ValueError:
             raise UserError(f"--clients {clients!r}: expected counts separated by commas, e.g. 1,4,16.") from None
-        name = model or "smollm2-135m-instruct"
-        results = {"serve": serve_bench.main(name, counts, _console(), list(against or []), context=context)}
+        if seconds <= 0 or slots < 2:
+            raise UserError(f"--seconds {seconds:g}, --slots {slots}: seconds must be positive, slots at least 2.")
+        if workdir is None:
+            model = model or "smollm2-135m-instruct"
+        elif model is not None:
+            raise UserError("apps bench serve: give --model or --workdir, not both.")
+        results = {
+            "serve": serve_bench.main(model, workdir, counts, _console(), list(against or []), seconds, slots, context)
+        }
     elif configs == ["transcribe"]:
         if model is None:
             raise UserError("apps bench transcribe needs --model (whisper-tiny.en, whisper-base).")

@@ -3,25 +3,31 @@
     apps bench serve --model smollm2-135m-instruct               # 1, 4, 16 and 64 clients
     apps bench serve --clients 1,16 --against http://127.0.0.1:8080/v1   # and another server
 
-The same workload goes to `apps serve` with `--max-batch 8` (continuous batching), to the same
+The same workload goes to `apps serve` with `--max-batch 16` (continuous batching), to the same
 server forced to one slot (`--max-batch 1`: one request at a time), and to each `--against`
 URL (any OpenAI-compatible server, such as llama.cpp's `llama-server` on the same GGUF). Each
-client sends its requests one after another, streamed, so that the time to the first token is
-seen; the requests mix short and long prompts (`PROMPTS`) and outputs (`MAX_TOKENS`), greedy,
-in an order fixed by the request's number. Reported per server and client count: requests per
-second, generated tokens per second (from each answer's usage; from a server that sends none,
-such as llama-cpp-python's, the streamed chunks that carry text, one per token there), and the
-median and 99th percentile of the latency and of the time to the first token.
+client sends streamed completion requests (`/v1/completions`, greedy) one after another for
+`seconds`; the requests mix short and long prompts (`PROMPTS`) and outputs (`MAX_TOKENS`), in
+an order fixed by the request's number.
+
+The figures are of that window alone, so that they measure the server loaded by `clients`, not
+a ramp-up or a tail where fewer clients are left: the tokens are those streamed within it (each
+finished answer's usage, or the chunks that carried text where a server sends no usage, as
+llama-cpp-python's does, one token each there; an answer still streaming at the end counts the
+chunks it had received), the requests those finished within it; an answer still streaming at
+the end is cut off (the server frees its slot). Reported per server and client count: requests
+per second, generated tokens per second, and the median and 99th percentile of the latency and
+of the time to the first token.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -45,79 +51,94 @@ PROMPTS = (
     f"Continue this story: {_STORY * 6}",
     "What is the capital of France, and what river runs through it?",
 )
+SECONDS = 60.0
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def workload(count: int) -> list[tuple[str, int]]:
-    """The `count` requests of a run, as (prompt, max_tokens): every prompt meets every length."""
-    return [(PROMPTS[i % len(PROMPTS)], MAX_TOKENS[(i // len(PROMPTS)) % len(MAX_TOKENS)]) for i in range(count)]
+def job(number: int) -> tuple[str, int]:
+    """Request `number` of a run, as (prompt, max_tokens): every prompt meets every length."""
+    return PROMPTS[number % len(PROMPTS)], MAX_TOKENS[(number // len(PROMPTS)) % len(MAX_TOKENS)]
 
 
-def run_load(url: str, model: str, clients: int, requests: int, api_key: str | None = None) -> dict:
-    """`clients` threads share `requests` streamed chat completions against `url` (an OpenAI
-    base URL, ending in /v1) -> the figures of the module's text."""
+def run_load(url: str, model: str, clients: int, seconds: float = SECONDS, api_key: str | None = None) -> dict:
+    """`clients` threads send streamed completions to `url` (an OpenAI base URL, ending in /v1)
+    for `seconds`, client i sending requests i, i + clients, i + 2 clients, ... -> the figures
+    of the module's text, with the counts behind them ("tokens", "requests", "cut": answers cut
+    off at the end)."""
     import httpx2 as httpx
 
-    jobs = workload(requests)
-    results: list[dict] = []
+    finished: list[dict] = []
     lock, failures = threading.Lock(), []
+    tokens, cut = [0], [0]
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    deadline = time.perf_counter() + seconds
+
+    def request(session, number: int) -> None:
+        prompt, max_tokens = job(number)
+        body = {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        sent, first, usage, pieces = time.perf_counter(), None, None, 0
+        with session.stream("POST", f"{url}/completions", json=body) as response:
+            if response.status_code != 200:
+                raise RuntimeError(f"HTTP {response.status_code}: {response.read()[:200]!r}")
+            for line in response.iter_lines():
+                now = time.perf_counter()
+                if now > deadline:  # cut off: closing the stream frees the server's slot
+                    with lock:
+                        tokens[0] += pieces
+                        cut[0] += 1
+                    return
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    usage = chunk["usage"]["completion_tokens"]
+                if any(c.get("text") for c in chunk.get("choices", [])):
+                    pieces += 1
+                    first = now - sent if first is None else first
+        with lock:
+            tokens[0] += pieces if usage is None else usage
+            finished.append({"latency": time.perf_counter() - sent, "first": first})
 
     def client(index: int) -> None:
         with httpx.Client(timeout=600, headers=headers) as session:
-            for prompt, max_tokens in jobs[index::clients]:
-                body = {
-                    "model": model,
-                    "messages": [{"role": "user", "content": prompt}],
-                    "max_tokens": max_tokens,
-                    "temperature": 0,
-                    "stream": True,
-                    "stream_options": {"include_usage": True},
-                }
-                started, first, tokens, pieces = time.perf_counter(), None, None, 0
+            number = index
+            while time.perf_counter() < deadline:
                 try:
-                    with session.stream("POST", f"{url}/chat/completions", json=body) as response:
-                        if response.status_code != 200:
-                            raise RuntimeError(f"HTTP {response.status_code}: {response.read()[:200]!r}")
-                        for line in response.iter_lines():
-                            if not line.startswith("data: ") or line == "data: [DONE]":
-                                continue
-                            chunk = json.loads(line[6:])
-                            if chunk.get("usage"):
-                                tokens = chunk["usage"]["completion_tokens"]
-                            if any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
-                                pieces += 1
-                                if first is None:
-                                    first = time.perf_counter() - started
+                    request(session, number)
                 except Exception as error:  # a failed request is reported, not hidden in the figures
                     with lock:
                         failures.append(str(error))
-                    continue
-                latency = time.perf_counter() - started
-                with lock:
-                    results.append({"latency": latency, "first": first, "tokens": pieces if tokens is None else tokens})
+                    return
+                number += clients
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
-    started = time.perf_counter()
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    seconds = time.perf_counter() - started
     if failures:
-        raise UserError(f"{len(failures)} of {requests} requests to {url} failed; the first: {failures[0]}")
-    latency = np.array([r["latency"] for r in results])
-    first = np.array([r["first"] for r in results if r["first"] is not None])
+        raise UserError(f"{len(failures)} requests to {url} failed; the first: {failures[0]}")
+    latency = np.array([r["latency"] for r in finished] or [np.nan])
+    first = np.array([r["first"] for r in finished if r["first"] is not None] or [np.nan])
     return {
         "clients": clients,
-        "requests": requests,
         "seconds": seconds,
-        "requests/s": requests / seconds,
-        "tokens/s": sum(r["tokens"] for r in results) / seconds,
+        "requests": len(finished),
+        "cut": cut[0],
+        "tokens": tokens[0],
+        "requests/s": len(finished) / seconds,
+        "tokens/s": tokens[0] / seconds,
         "p50 latency": float(np.percentile(latency, 50)),
         "p99 latency": float(np.percentile(latency, 99)),
-        "p50 first token": float(np.percentile(first, 50)) if len(first) else float("nan"),
-        "p99 first token": float(np.percentile(first, 99)) if len(first) else float("nan"),
+        "p50 first token": float(np.percentile(first, 50)),
+        "p99 first token": float(np.percentile(first, 99)),
     }
 
 
@@ -128,18 +149,19 @@ def _free_port() -> int:
 
 
 class _Server:
-    """`apps serve --model MODEL --max-batch N` in a subprocess, for the length of a `with`."""
+    """`apps serve SOURCE --max-batch N` in a subprocess, for the length of a `with`; SOURCE is
+    `--model NAME` or `--workdir DIR`."""
 
-    def __init__(self, model: str, max_batch: int, context: int | None = None):
-        self.model, self.max_batch, self.context = model, max_batch, context
+    def __init__(self, source: list[str], max_batch: int, context: int | None = None):
+        self.source, self.max_batch, self.context = source, max_batch, context
 
     def __enter__(self) -> str:
         port = _free_port()
-        command = [sys.executable, "-m", "cli", "serve", "--model", self.model, "--port", str(port)]
+        command = [sys.executable, "-m", "cli", "serve", *self.source, "--port", str(port)]
         command += ["--max-batch", str(self.max_batch)]
         if self.context is not None:
             command += ["--context", str(self.context)]
-        self.log = open(os.devnull, "w")  # noqa: SIM115 - closed in __exit__
+        self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed in __exit__
         self.process = subprocess.Popen(command, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
         import httpx2 as httpx
@@ -147,7 +169,13 @@ class _Server:
         deadline = time.monotonic() + 900
         while True:
             if self.process.poll() is not None or time.monotonic() > deadline:
-                raise UserError(f"apps serve --model {self.model} did not start (exit {self.process.poll()}).")
+                self.process.kill()
+                self.log.seek(0)
+                said = "\n".join(self.log.read().splitlines()[-15:])
+                self.log.close()
+                raise UserError(
+                    f"apps serve {' '.join(self.source)} did not start (exit {self.process.poll()}); it said:\n{said}"
+                )
             try:
                 if httpx.get(f"{url}/health", timeout=1).status_code == 200:
                     return f"{url}/v1"
@@ -161,31 +189,42 @@ class _Server:
 
 
 def main(
-    model: str,
+    model: str | None,
+    workdir: Path | None,
     clients: list[int],
     console: Console,
     against: list[str] = (),
-    requests: int | None = None,
+    seconds: float = SECONDS,
+    slots: int = 16,
     context: int | None = None,
 ) -> list[dict]:
-    """The table of the module's text: this server batched and at one slot (each slot `context`
-    positions long; None: the server's default), then each other one."""
+    """The table of the module's text: `apps serve` of a pretrained `model` (a name or a file) or
+    of a trained language model's `workdir`, with `slots` slots and with one (each slot
+    `context` positions long; None: the server's default), then each other one; `seconds` of
+    load per client count."""
     if any(c < 1 for c in clients):
         raise UserError("--clients: each count must be at least 1.")
-    name = Path(model).name
+    # The name the server gives it (`core.server.load`), which each request names.
+    name, source = (
+        (Path(model).name, ["--model", model])
+        if workdir is None
+        else (workdir.resolve().name, ["--workdir", str(workdir)])
+    )
     rows = []
     table = figures(
         f"apps serve under load: {name}",
-        "streamed greedy chat completions, prompts and outputs mixed; tokens from each answer's usage "
-        "(or its streamed pieces)",
+        f"streamed greedy completions, prompts and outputs mixed, {seconds:g} s per client count; tokens "
+        "streamed within them, requests finished within them",
         ("server", "clients", "requests", "req/s", "tokens/s", "p50 s", "p99 s", "p50 TTFT s", "p99 TTFT s"),
     )
     # Each target: its label and what gives its base URL for the length of its runs.
-    targets = [(f"apps serve, {batch} slot{'s' * (batch > 1)}", _Server(model, batch, context)) for batch in (8, 1)]
+    targets = [
+        (f"apps serve, {batch} slot{'s' * (batch > 1)}", _Server(source, batch, context)) for batch in (slots, 1)
+    ]
     targets += [(url, contextlib.nullcontext(url.rstrip("/"))) for url in against]
     for label, server in targets:
         with server as url:
-            found = [run_load(url, name, c, requests or max(2 * c, 12)) for c in clients]
+            found = [run_load(url, name, c, seconds) for c in clients]
         for figure in found:
             rows.append({"server": label, **figure})
             table.add_row(
