@@ -54,6 +54,24 @@ def test_slots_give_what_each_request_gives_alone(shape):
     assert engine.prefills == len(PROMPTS) and not engine.busy()
 
 
+def test_a_step_over_the_leading_rows_alone_gives_what_a_step_over_all_gives():
+    """Six slots compile steps over their first 1, 2 and all 6 rows. The longest request sits in
+    slot 0, so once the others end it steps alone in the one-row program; its tokens, and the
+    others', are what each gives alone, and the one-row program ran."""
+    model = language_model()
+    assert Engine(model, slots=6).row_counts() == [1, 2, 6]
+    lengths = [16, 3, 6, 2]
+    engine = Engine(model, slots=6)
+    rows_run = []
+    step = engine._step
+    engine._step = lambda rows, *args: rows_run.append(rows) or step(rows, *args)
+    collectors = [Collector() for _ in lengths]
+    run_all(engine, [Request(PROMPTS[i], n, c) for i, (n, c) in enumerate(zip(lengths, collectors))], collectors)
+    for i, (new, collector) in enumerate(zip(lengths, collectors)):
+        assert collector.tokens == list(generate(model, [PROMPTS[i]], max_new_tokens=new).tokens[0])
+    assert {1, 6} <= set(rows_run)
+
+
 def test_a_stop_id_ends_a_request_without_being_emitted():
     model = language_model()
     alone = list(generate(model, [PROMPTS[1]], max_new_tokens=8).tokens[0])
@@ -130,7 +148,8 @@ def test_warm_up_compiles_every_prompt_width_once_and_requests_compile_nothing_m
     engine = Engine(language_model(max_len=64), slots=2)
     timings = engine.warm_up()
     assert engine.widths() == [8, 16, 24, 32, 48, 63]
-    assert set(timings) == {f"prefill {w}" for w in engine.widths()} | {"decode step"}
+    assert engine.row_counts() == [2]
+    assert set(timings) == {f"prefill {w}" for w in engine.widths()} | {"decode step, 2 rows"}
     assert np.all(engine.counts == 0)
     compiled = engine._prefill._cache_size(), engine._step._cache_size()
     assert compiled == (len(engine.widths()), 1)
