@@ -500,9 +500,10 @@ def serve(
         if engine is not None:
             timings = engine.warm_up()
             widths = ", ".join(str(w) for w in engine.widths())
+            rows = ", ".join(str(n) for n in engine.row_counts())
             console.print(
                 f"{item.name} ({item.task.name}): {max_batch} slots of {engine.context} positions; compiled the "
-                f"decode step and prefills of width {widths} in {sum(timings.values()):.1f} s."
+                f"decode step over {rows} rows and prefills of width {widths} in {sum(timings.values()):.1f} s."
             )
         else:
             console.print(f"{item.name} ({item.task.name}): predictions batched up to {max_batch} inputs.")
