@@ -265,7 +265,7 @@ def load_pretrained(
             f"{task_type.name} predicts with a trained run (--workdir); --model serves the tasks that use a "
             "pretrained checkpoint as it is (lm)."
         )
-    overrides = [f"model.pretrained={name!r}"]
+    overrides = [f"model.pretrained={name!r}", *task_type.zero_shot_overrides]
     if whole_context:
         overrides.append(f"model.max_len={pretrained.read_checkpoint(name).model.max_len}")
     config = make_config(task_type, preset or _preset_made_for(task_type, name), overrides)

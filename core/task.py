@@ -205,6 +205,10 @@ class Task(abc.ABC):
     # True for a task that predicts with a pretrained checkpoint as it is (`apps predict TASK
     # --model NAME`, core/run.py `load_pretrained`): its `fit_featurizer([])` is the checkpoint's.
     zero_shot: ClassVar[bool] = False
+    # `--set` overrides for a checkpoint used as it is, where the task's fine-tuning presets
+    # choose otherwise for speed (speech: Whisper reads in its own 30 s windows; the Whisper
+    # presets train on 10 s).
+    zero_shot_overrides: ClassVar[tuple[str, ...]] = ()
     # True for a language-modelling task whose featurizer turns texts and conversations into the
     # ids a decoder continues (`prompt`, `continuation`): `apps serve` gives its runs OpenAI's
     # completion endpoints (core/server.py), continuously batched.

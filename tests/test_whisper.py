@@ -216,7 +216,7 @@ def test_the_featurizer_teaches_the_transcript_after_the_prompt():
     np.testing.assert_array_equal(batch["targets"][0], ids[1:])
     # Scored: what follows the prompt's last token (the text and its end), not the prompt itself.
     np.testing.assert_array_equal(batch["target_mask"][0], [False] + [True] * (len(ids) - 2))
-    assert batch["inputs"].shape == (1, 3000, 80) and batch["mask"].all()
+    assert batch["inputs"].shape == (1, 1000, 80) and batch["mask"].all()  # the preset's 10 s window
     assert featurizer.decode([*text, 50256, 0, 0]) == "the quick fox"
     # data.max_seconds is the encoder's window: 2 s read as 200 frames, the same features as the
     # 30 s window's first 200; a longer clip is refused with its name.
@@ -230,13 +230,15 @@ def test_the_featurizer_teaches_the_transcript_after_the_prompt():
 
 
 def test_transcriber_reads_files_and_arrays_alike():
-    from tasks.speech.asr import Transcriber
+    from tasks.speech.asr import Transcriber, whisper_tiny
 
     transcriber = Transcriber(model=installed("whisper-tiny.en"))
     path = FIXTURES / "clip_callback.wav"
     samples = load_audio(path)
     texts = transcriber.transcribe([path, samples, (samples * 32768).round().astype(np.int16)], beam_width=1)
     assert texts == ["Please call me back at 5.30"] * 3  # int16 PCM is scaled as a WAV file's
+    # Used as it is, the checkpoint reads in Whisper's own 30 s windows; its preset trains on 10 s.
+    assert transcriber.task.config.data.max_seconds == 30.0 and whisper_tiny().data.max_seconds == 10.0
     # Silence and faint noise: no text, where Whisper alone writes "you" (no-speech probability ~0.9).
     quiet = [np.zeros(32_000, np.float32), 1e-3 * np.random.default_rng(0).standard_normal(32_000)]
     assert transcriber.transcribe(quiet, beam_width=1) == ["", ""]
