@@ -69,11 +69,12 @@ def run_load(url: str, model: str, clients: int, seconds: float = SECONDS, api_k
 
     finished: list[dict] = []
     lock, failures = threading.Lock(), []
-    tokens, cut = [0], [0]
+    tokens = cut = 0
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     deadline = time.perf_counter() + seconds
 
     def request(session, number: int) -> None:
+        nonlocal tokens, cut
         prompt, max_tokens = job(number)
         body = {
             "model": model,
@@ -91,8 +92,8 @@ def run_load(url: str, model: str, clients: int, seconds: float = SECONDS, api_k
                 now = time.perf_counter()
                 if now > deadline:  # cut off: closing the stream frees the server's slot
                     with lock:
-                        tokens[0] += pieces
-                        cut[0] += 1
+                        tokens += pieces
+                        cut += 1
                     return
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
@@ -103,7 +104,7 @@ def run_load(url: str, model: str, clients: int, seconds: float = SECONDS, api_k
                     pieces += 1
                     first = now - sent if first is None else first
         with lock:
-            tokens[0] += pieces if usage is None else usage
+            tokens += pieces if usage is None else usage
             finished.append({"latency": time.perf_counter() - sent, "first": first})
 
     def client(index: int) -> None:
@@ -131,10 +132,10 @@ def run_load(url: str, model: str, clients: int, seconds: float = SECONDS, api_k
         "clients": clients,
         "seconds": seconds,
         "requests": len(finished),
-        "cut": cut[0],
-        "tokens": tokens[0],
+        "cut": cut,
+        "tokens": tokens,
         "requests/s": len(finished) / seconds,
-        "tokens/s": tokens[0] / seconds,
+        "tokens/s": tokens / seconds,
         "p50 latency": float(np.percentile(latency, 50)),
         "p99 latency": float(np.percentile(latency, 99)),
         "p50 first token": float(np.percentile(first, 50)),
@@ -168,14 +169,15 @@ class _Server:
 
         deadline = time.monotonic() + 900
         while True:
-            if self.process.poll() is not None or time.monotonic() > deadline:
+            code = self.process.poll()
+            if code is not None or time.monotonic() > deadline:
                 self.process.kill()
+                self.process.wait()
                 self.log.seek(0)
                 said = "\n".join(self.log.read().splitlines()[-15:])
                 self.log.close()
-                raise UserError(
-                    f"apps serve {' '.join(self.source)} did not start (exit {self.process.poll()}); it said:\n{said}"
-                )
+                ended = f"exit {code}" if code is not None else "no answer in 900 s"
+                raise UserError(f"apps serve {' '.join(self.source)} did not start ({ended}); it said:\n{said}")
             try:
                 if httpx.get(f"{url}/health", timeout=1).status_code == 200:
                     return f"{url}/v1"
@@ -204,12 +206,10 @@ def main(
     load per client count."""
     if any(c < 1 for c in clients):
         raise UserError("--clients: each count must be at least 1.")
-    # The name the server gives it (`core.server.load`), which each request names.
-    name, source = (
-        (Path(model).name, ["--model", model])
-        if workdir is None
-        else (workdir.resolve().name, ["--workdir", str(workdir)])
-    )
+    from core.server import served_name
+
+    name = served_name(model=model, workdir=workdir)  # what each request names
+    source = ["--model", model] if workdir is None else ["--workdir", str(workdir)]
     rows = []
     table = figures(
         f"apps serve under load: {name}",

@@ -688,11 +688,17 @@ def load(
             raise UserError(f"{workdir} holds no trained run (no config.json).")
         name = read_json(config, "train the run again into a new --workdir.").get("task")
         predictor = run.Predictor(task_named(name), workdir)
-        served.append(Served(Path(workdir).resolve().name, predictor, _engine(predictor, slots, context, queue)))
+        served.append(Served(served_name(workdir=workdir), predictor, _engine(predictor, slots, context, queue)))
     for model in models:
         predictor = run.Predictor(decoder_task, model=model)
-        served.append(Served(Path(model).name, predictor, _engine(predictor, slots, context, queue)))
+        served.append(Served(served_name(model=model), predictor, _engine(predictor, slots, context, queue)))
     return served
+
+
+def served_name(*, model: str | None = None, workdir: str | Path | None = None) -> str:
+    """The name a served model answers to (`"model"` in requests, GET /v1/models): a run's
+    folder name, or a checkpoint's name or file name."""
+    return Path(workdir).resolve().name if workdir is not None else Path(model).name
 
 
 DEFAULT_CONTEXT = 2048
