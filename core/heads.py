@@ -7,6 +7,7 @@ task's outputs, so that `Model` can call any of them the same way.
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from typing import ClassVar, NamedTuple
 
 import jax
@@ -73,14 +74,26 @@ class Projection(NamedTuple):
     """Hidden states [B, T, D] and an output matrix [V, D], not yet multiplied.
 
     Losses over large vocabularies take both (`losses.linear_cross_entropy`) and never form the
-    [B, T, V] logits; decoding asks for `logits()` where it needs them.
+    [B, T, V] logits; decoding asks for `logits()` where it needs them. A `shortlist` (ascending
+    ids) limits the output to those rows of the matrix: only they are multiplied, and every
+    other id's logit is -inf (`TiedOutput`).
     """
 
     hidden: jax.Array
     weight: jax.Array
+    shortlist: jax.Array | None = None
+
+    def rows(self) -> jax.Array:
+        """The rows of the output matrix that the output covers: [V, D], or [S, D] with a shortlist."""
+        return self.weight if self.shortlist is None else self.weight[self.shortlist]
 
     def logits(self) -> jax.Array:
-        return jnp.einsum("BTD,VD->BTV", self.hidden, self.weight.astype(self.hidden.dtype)).astype(jnp.float32)
+        rows = self.rows().astype(self.hidden.dtype)
+        logits = jnp.einsum("BTD,VD->BTV", self.hidden, rows).astype(jnp.float32)
+        if self.shortlist is None:
+            return logits
+        full = jnp.full((*logits.shape[:-1], self.weight.shape[0]), -jnp.inf, jnp.float32)
+        return full.at[..., self.shortlist].set(logits)
 
     def predictions(self, chunk: int = 256) -> jax.Array:
         """The likeliest id at each position [B, T], `chunk` positions at a time: a metric's
@@ -90,22 +103,34 @@ class Projection(NamedTuple):
         rows = flat.shape[0]
         chunk = min(chunk, rows)
         chunks = jnp.pad(flat, ((0, (-rows) % chunk), (0, 0))).reshape(-1, chunk, D)
-        weight = self.weight.astype(self.hidden.dtype)
-        ids = jax.lax.map(lambda hidden: jnp.argmax(hidden @ weight.T, axis=-1), chunks)
-        return ids.reshape(-1)[:rows].reshape(lead)
+        weight = self.rows().astype(self.hidden.dtype)
+        ids = jax.lax.map(lambda hidden: jnp.argmax(hidden @ weight.T, axis=-1), chunks).reshape(-1)[:rows]
+        return (ids if self.shortlist is None else self.shortlist[ids]).reshape(lead)
+
+    def rows_of(self, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Each target id's row in `rows()`, and whether the output covers it at all (a
+        shortlist may not: such a target can be neither predicted nor scored)."""
+        if self.shortlist is None:
+            return targets, jnp.ones(targets.shape, bool)
+        found = jnp.clip(jnp.searchsorted(self.shortlist, targets), 0, self.shortlist.shape[0] - 1)
+        return found, self.shortlist[found] == targets
 
 
 class TiedOutput(nnx.Module):
-    """Output over a vocabulary through the input embedding table itself: -> `Projection`."""
+    """Output over a vocabulary through the input embedding table itself: -> `Projection`.
+    `shortlist`: the ids the output covers (None: all of them), a fixed part of the model."""
 
     # Whether an encoder-decoder hands this head the source (`source`, then a third argument).
     reads_source: ClassVar[bool] = False
 
-    def __init__(self, embedder: TokenEmbedder):
+    def __init__(self, embedder: TokenEmbedder, shortlist: Sequence[int] | None = None):
         self.embedder = embedder
+        # A tuple: a static part of the module, compiled into the programs as a constant.
+        self.shortlist = None if shortlist is None else tuple(sorted({int(i) for i in shortlist}))
 
     def __call__(self, hidden: jax.Array, mask: jax.Array) -> Projection:
-        return Projection(hidden, self.embedder.embedding.embedding[...])
+        shortlist = None if self.shortlist is None else jnp.asarray(self.shortlist, jnp.int32)
+        return Projection(hidden, self.embedder.embedding.embedding[...], shortlist)
 
 
 class Source(NamedTuple):

@@ -8,10 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import apps, plain
+from flax import nnx
 from tiny_gguf import write_tiny_gguf
 
 from core.errors import UserError
-from core.run import make_config
+from core.generate import generate
+from core.run import load, make_config
 from core.train import build_model
 from tasks.common.tokenizer import PretrainedTokenizer
 from tasks.nlp.completion import CompletionFeaturizer
@@ -156,3 +158,35 @@ def test_a_small_decoder_learns_the_synthetic_pairs(tmp_path):
     ]
     scores = train_and_evaluate(workdir, options)
     assert scores["greedy"]["chrf"] > 90 and scores["baselines"]["copy_source"]["chrf"] < 30
+
+
+def test_a_shortlisted_decoder_trains_scores_and_writes_within_its_shortlist(tiny, tmp_path):
+    """`data.shortlist`: the output covers the ids the training completions are spelled with
+    (and the stop tokens); the run keeps the list beside its tokenizer, reports how much of the
+    test targets it covers, and every id it generates is on it."""
+    workdir = tmp_path / "run"
+    options = [
+        f"model.pretrained={str(tiny)!r}",
+        "data.prompt='Say {source} backwards.'",
+        "data.shortlist=true",
+        "data.source_len=40",
+        "data.target_len=40",
+        "model.max_len=128",
+        "train.steps=2",
+        "train.eval_every=2",
+        "train.batch_size=8",
+        "train.eval_batch_size=8",
+    ]
+    scores = train_and_evaluate(workdir, options)
+    loaded = load(TranslateTask, workdir, data="synthetic")
+    featurizer = loaded.featurizer
+    shortlist = set(featurizer.shortlist)
+    assert shortlist == set(json.loads((workdir / "featurizer" / "shortlist.json").read_text()))
+    trained = featurizer(loaded.task.examples("train"))
+    assert set(trained["targets"][trained["target_mask"]].tolist()) | set(featurizer.tokenizer.stop_ids) == shortlist
+    assert len(shortlist) < featurizer.tokenizer.vocab_size / 2
+    assert 0.9 < scores["shortlist_coverage"] <= 1.0
+    model = nnx.merge(loaded.steps.graphdef, loaded.params)
+    prompts = featurizer.prompts(loaded.task.examples("test")[:4])
+    generated = generate(model, prompts, max_new_tokens=12, temperature=1.0, seed=3)
+    assert set(generated.tokens.ravel().tolist()) <= shortlist | {0}

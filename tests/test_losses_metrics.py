@@ -82,6 +82,20 @@ def test_projection_predictions_are_the_argmax_of_its_logits_chunk_by_chunk():
         np.testing.assert_array_equal(projection.predictions(chunk), expected)
 
 
+def test_a_shortlisted_projection_is_a_softmax_over_its_ids_alone():
+    # Hidden [1, 0] against rows whose first coordinate is the id: logit of id i is i. With
+    # the shortlist {1, 3}, softmax([1, 3]) gives id 3 e^3 / (e + e^3); ids 0, 2 and 4 are out.
+    weight = jnp.stack([jnp.arange(5.0), jnp.ones(5)], axis=1)
+    projection = Projection(jnp.asarray([[[1.0, 0.0]]]), weight, jnp.asarray([1, 3]))
+    logits = np.asarray(projection.logits())[0, 0]
+    assert logits[1] == 1.0 and logits[3] == 3.0 and np.isneginf(logits[[0, 2, 4]]).all()
+    assert projection.predictions().tolist() == [[3]]
+    rows, covered = projection.rows_of(jnp.asarray([3, 1, 4, 0]))
+    assert rows[:2].tolist() == [1, 0] and covered.tolist() == [True, True, False, False]
+    total, count = losses.linear_cross_entropy(projection.hidden, projection.rows(), rows[:1], jnp.ones(1))
+    assert float(total) == pytest.approx(-math.log(math.e**3 / (math.e + math.e**3)), rel=1e-6)
+
+
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
 def test_copy_cross_entropy_matches_the_mixed_distribution_and_gradients(smoothing):
     rng = np.random.default_rng(1)

@@ -52,8 +52,11 @@ class CompletionFeaturizer:
     target_len: int
     max_len: int
     glossary: dict[str, str] | None = None
+    # The ids the model's output covers (`data.shortlist`; None: the whole vocabulary).
+    shortlist: tuple[int, ...] | None = None
 
     GLOSSARY = "glossary.json.gz"
+    SHORTLIST = "shortlist.json"
 
     def __post_init__(self):
         if SOURCE not in self.template:
@@ -68,12 +71,27 @@ class CompletionFeaturizer:
         self.tokenizer.save(directory)
         if self.glossary is not None:
             (directory / self.GLOSSARY).write_bytes(gzip.compress(json.dumps(self.glossary).encode("utf-8")))
+        if self.shortlist is not None:
+            (directory / self.SHORTLIST).write_text(json.dumps(list(self.shortlist)))
 
     @classmethod
     def load(cls, directory: Path, template: str, source_len: int, target_len: int, max_len: int):
         path = directory / cls.GLOSSARY
         glossary = json.loads(gzip.decompress(path.read_bytes())) if path.exists() else None
-        return cls(load_tokenizer(directory), template, source_len, target_len, max_len, glossary)
+        path = directory / cls.SHORTLIST
+        shortlist = tuple(json.loads(path.read_text())) if path.exists() else None
+        return cls(load_tokenizer(directory), template, source_len, target_len, max_len, glossary, shortlist)
+
+    def covering(self, examples: Sequence[dict]) -> tuple[int, ...]:
+        """A shortlist for these (training) examples: every id their loss counts (the
+        completions and the tokens that end them), the pieces of the glossary's translations
+        (words the completions may need beyond those seen) and the stop tokens."""
+        rows = self(examples)
+        ids = set(np.unique(rows["targets"][rows["target_mask"]]).tolist()) | set(self.tokenizer.stop_ids)
+        if self.glossary is not None:
+            ids |= {i for pieces in self.tokenizer.pieces(sorted(set(self.glossary.values()))) for i in pieces}
+        log.info("The output covers %d of the %d pieces (data.shortlist).", len(ids), self.tokenizer.vocab_size)
+        return tuple(sorted(ids))
 
     def sources(self, examples: Sequence[dict]) -> list[str]:
         """Each source, cut to `source_len` pieces (how many were cut is logged)."""

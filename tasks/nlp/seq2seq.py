@@ -77,6 +77,11 @@ class Seq2SeqData(DataConfig):
     # The penalties (core.penalties) of the decodings, unless `apps predict` sets them.
     no_repeat_ngram: int = 0
     word_reward: float = 0.0
+    # The decoder-only route's output covers only the pieces that the training completions
+    # are spelled with, the glossary's translations' pieces and the stop tokens
+    # (`CompletionFeaturizer.shortlist`): at a large vocabulary the output layer is most of
+    # a fine-tuning step and of a decoding step, and a target language needs a small part of it.
+    shortlist: bool = False
     # The valid split keeps its first `valid_size` examples (None: all): a pretrained decoder
     # reads a few hundred tokens a second here, and validation during training need not read
     # thousands of prompts each time. The test split is always whole.
@@ -89,6 +94,12 @@ class Seq2SeqData(DataConfig):
         require(self.max_len_b >= 0, "data.max_len_b", self.max_len_b, "must not be negative")
         require(
             not self.copy or self.shared_vocab, "data.copy", self.copy, "copies source pieces: needs data.shared_vocab"
+        )
+        require(
+            not self.shortlist or self.prompt is not None,
+            "data.shortlist",
+            self.shortlist,
+            "limits a decoder's output: needs the decoder-only route (data.prompt)",
         )
         require(self.valid_size is None or self.valid_size > 0, "data.valid_size", self.valid_size, "must be positive")
         require(
@@ -365,7 +376,10 @@ class Seq2SeqTask(Task):
             # A checkpoint used as it is (`--model`) is fitted on no examples; its glossary still
             # comes from the training split.
             train = train or self.examples("train")
-            return self._completion_featurizer(self._decoder_tokenizer(train), self.glossary(train))
+            featurizer = self._completion_featurizer(self._decoder_tokenizer(train), self.glossary(train))
+            if options.shortlist:
+                featurizer.shortlist = featurizer.covering(train)
+            return featurizer
         if self.config.model.pretrained is not None:
             raise UserError(
                 f"{self.config.model.pretrained} is not a decoder: the encoder-decoder route of {self.name} trains "
@@ -403,7 +417,8 @@ class Seq2SeqTask(Task):
     def model(self, featurizer, config: Config, rngs: nnx.Rngs) -> EncoderDecoder | Model:
         if self.decoder_only:
             embedder = TokenEmbedder(featurizer.tokenizer.vocab_size, config.model.d_model, rngs=rngs)
-            return Model(embedder, Transformer(config.model, remat=config.train.remat, rngs=rngs), TiedOutput(embedder))
+            head = TiedOutput(embedder, featurizer.shortlist)
+            return Model(embedder, Transformer(config.model, remat=config.train.remat, rngs=rngs), head)
         d_model = config.model.d_model
         source = featurizer.source.embedder(d_model, rngs)
         target = source if featurizer.shared else TokenEmbedder(featurizer.target.vocab_size, d_model, rngs=rngs)
@@ -414,10 +429,15 @@ class Seq2SeqTask(Task):
         return _cross_entropy(outputs, batch, self.config.optim.label_smoothing)
 
     def metrics(self, outputs: Projection | CopyProjection, batch: dict):
-        return {
+        found = {
             "nll": _cross_entropy(outputs, batch),
             "token_accuracy": metric_lib.hits(outputs.predictions(), batch["targets"], scored_positions(batch)),
         }
+        if isinstance(outputs, Projection) and outputs.shortlist is not None:
+            # The share of target pieces the shortlist holds: nll and accuracy count those alone.
+            covered = outputs.rows_of(batch["targets"])[1]
+            found["shortlist_coverage"] = metric_lib.hits(covered, True, scored_positions(batch))
+        return found
 
     def decode(self, outputs: Projection | CopyProjection, batch: dict) -> dict:
         return {}  # the text is generated (`generate`), not read off the teacher-forced pass
@@ -494,9 +514,12 @@ class Seq2SeqTask(Task):
 
 def _cross_entropy(outputs: Projection | CopyProjection, batch: dict, label_smoothing: float = 0.0):
     """Cross-entropy of the scored targets, through the tied projection or the copying head's
-    parts, without forming the [B, T, V] distribution."""
+    parts, without forming the [B, T, V] distribution. Under a shortlist (`data.shortlist`) the
+    distribution is over its pieces, and a target outside it is not scored (the metrics'
+    `shortlist_coverage` says how many are)."""
     if isinstance(outputs, CopyProjection):
         return losses.copy_cross_entropy(outputs, batch["targets"], scored_positions(batch), label_smoothing)
+    rows, covered = outputs.rows_of(batch["targets"])
     return losses.linear_cross_entropy(
-        outputs.hidden, outputs.weight, batch["targets"], scored_positions(batch), label_smoothing
+        outputs.hidden, outputs.rows(), rows, scored_positions(batch) & covered, label_smoothing
     )
