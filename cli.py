@@ -268,6 +268,13 @@ def evaluate(
     preset: Annotated[
         Optional[str], typer.Option(help="With --model: the preset whose data and lengths it is scored with.")
     ] = None,
+    baselines: Annotated[
+        bool,
+        typer.Option(
+            help="Score the task's baselines (and a pretrained decoder zero-shot) beside the model; they "
+            "depend on the data and the preset alone, so runs of one preset can skip them after the first."
+        ),
+    ] = True,
     form: FormatOpt = "table",
     output: OutputOpt = None,
 ) -> None:
@@ -285,7 +292,9 @@ def evaluate(
 
     if model is None:
         workdir = workdir or Path("runs") / task
-    result = run.evaluate(task_type, workdir, split=split, data=data, model=model, preset=preset)
+    result = run.evaluate(
+        task_type, workdir, split=split, data=data, model=model, preset=preset, baselines=baselines
+    )
     report = dict(result)
     # Generated text scored per decoding (greedy, beam), then the baselines: one column each.
     columns = {

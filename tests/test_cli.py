@@ -247,7 +247,11 @@ def test_predict_and_eval_write_every_field_in_full_for_a_program(trained, tmp_p
     assert row["text"] == long and row["label"] == rows[0]["label"]
     result = apps("eval", "sentiment", "--workdir", trained, "--split", "test", "--format", "json")
     assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout) == json.loads((trained / "eval_test.json").read_text())
+    full = json.loads(result.stdout)
+    assert full == json.loads((trained / "eval_test.json").read_text()) and full["baselines"]
+    result = apps("eval", "sentiment", "--workdir", trained, "--split", "test", "--format", "json", "--no-baselines")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout) == {name: value for name, value in full.items() if name != "baselines"}
     result = apps("eval", "sentiment", "--workdir", trained, "--format", "yaml")
     assert result.exit_code == 1 and "--format 'yaml': expected one of table, json, jsonl, csv" in plain(result.output)
 
