@@ -38,6 +38,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from core.cache import held
+
 # Large but finite, so that a row with no visible key gives a uniform row instead of NaNs.
 MASKED = -1e30
 MIN_BLOCK = 64
@@ -186,10 +188,10 @@ blockwise_attention.defvjp(_forward, _backward)
 def cached_attention(q, k, v, cached_keys, cached_values, lengths, window: int | None = None):
     """New queries q [B, T, N, H], with their own keys and values k, v [B, T, K, H], that follow
     the `lengths` [B] positions each row holds in a cache of keys [B, K, S, H] and values
-    [B, K, H, S]: each query sees the row's cached slots below its length and the new keys up
-    to its own (with a `window` W, those less than W positions behind it). Slots past a row's
-    length (stale, or zeros) stay out of sight, so that rows of different lengths share one
-    fixed-shape program. -> [B, T, N, H].
+    [B, K, H, S]: each query sees the positions the row's cache holds (`core.cache.held`) and the
+    new keys up to its own (with a `window` W, those less than W positions behind it). Slots
+    that hold no position of the row yet (stale, or zeros) stay out of sight, so that rows of
+    different lengths share one fixed-shape program. -> [B, T, N, H].
 
     One grouped softmax whatever the configured implementation: with a few queries against the
     cache, the work is reading the cache once, which no flash kernel shortens. U indexes the new
@@ -201,11 +203,12 @@ def cached_attention(q, k, v, cached_keys, cached_values, lengths, window: int |
     old = jnp.einsum("BTKGH,BKSH->BKGTS", grouped, cached_keys, preferred_element_type=jnp.float32)
     new = jnp.einsum("BTKGH,BUKH->BKGTU", grouped, k, preferred_element_type=jnp.float32)
     scores = jnp.concatenate([old, new], axis=-1) * H**-0.5  # [B, K, G, T, S + U]
-    cached = jnp.broadcast_to((jnp.arange(S)[None, :] < lengths[:, None])[:, None, :], (B, T, S))
+    positions = held(lengths, S)  # [B, S]; a ring's slots hold the window's latest positions
+    cached = jnp.broadcast_to((positions >= 0)[:, None, :], (B, T, S))
     causal = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool))[None], (B, T, T))
     if window is not None:
-        # Query t of row b stands at position lengths[b] + t; slot s holds position s.
-        behind = (lengths[:, None, None] + jnp.arange(T)[None, :, None]) - jnp.arange(S)[None, None, :]
+        # Query t of row b stands at position lengths[b] + t.
+        behind = (lengths[:, None, None] + jnp.arange(T)[None, :, None]) - positions[:, None, :]
         cached = cached & (behind < window)
         causal = causal & (jnp.arange(T)[:, None] - jnp.arange(T)[None, :] < window)[None]
     visible = jnp.concatenate([cached, causal], axis=-1)  # [B, T, S + U]

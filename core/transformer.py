@@ -179,7 +179,7 @@ class Attention(nnx.Module):
         """x [B, T, D] at `positions` [B, T] -> [B, T, D] and the cache with this chunk's keys.
 
         Without a cache, or in a prefill (positions 0..T-1, right-padded `mask`), the chunk
-        attends within itself; a prefill also stores its keys in the cache's first T slots. Else
+        attends within itself; a prefill also stores its keys in the cache (`core.cache.write`). Else
         the chunk follows the cached keys: its queries attend to them and to its own keys, which
         then go into the slots of their positions, so that a step reads the cache before it
         updates it in place.
@@ -199,7 +199,8 @@ class Attention(nnx.Module):
         else:
             y = cached_attention(q, k, v, cache.keys, cache.values, positions[:, 0], self.window)
         if cache is not None:
-            cache = write(cache, k, v, None if prefill else positions)
+            lengths = mask.sum(-1, dtype=jnp.int32) if prefill else positions[:, -1] + 1
+            cache = write(cache, k, v, None if prefill else positions, lengths)
         return self.out(y.reshape(B, T, -1)), cache
 
 
@@ -370,15 +371,19 @@ class Transformer(nnx.Module):
 
     def init_cache(self, batch_size: int, max_len: int, dtype=jnp.float32, memory: Memory | None = None) -> Cache:
         """An empty cache of `max_len` positions per row, holding `memory` (`project_memory`)
-        for a body with cross-attention."""
+        for a body with cross-attention. A sliding-window layer keeps only its window's slots
+        (a ring: `core.cache.KeyValues`): Gemma 3's five local layers of six hold 512 positions
+        whatever the context, which shrinks the cache and what each decode step reads."""
         self._check_memory(memory)
         c = self.config
-        keys, values = (
-            (batch_size, c.key_value_heads, max_len, c.head_dim),
-            (batch_size, c.key_value_heads, c.head_dim, max_len),
-        )
-        layers = tuple(KeyValues(jnp.zeros(keys, dtype), jnp.zeros(values, dtype)) for _ in self.blocks)
-        return Cache(layers, jnp.zeros((batch_size,), jnp.int32), memory)
+        layers = []
+        for i in range(len(self.blocks)):
+            window = c.window(i)
+            slots = max_len if window is None else min(max_len, window)
+            keys = (batch_size, c.key_value_heads, slots, c.head_dim)
+            values = (batch_size, c.key_value_heads, c.head_dim, slots)
+            layers.append(KeyValues(jnp.zeros(keys, dtype), jnp.zeros(values, dtype)))
+        return Cache(tuple(layers), jnp.zeros((batch_size,), jnp.int32), memory)
 
     def prefill(self, x: jax.Array, mask: jax.Array, cache: Cache) -> tuple[jax.Array, Cache]:
         """Right-padded prompts x [B, T, D], mask [B, T] -> hidden [B, T, D] and `cache` (empty,

@@ -86,21 +86,29 @@ def test_cached_decoding_equals_the_full_forward_pass(changes):
         np.testing.assert_allclose(logits, expected, atol=2e-5, rtol=1e-5)
         logits, cache = jit_extend(model, cache, jnp.asarray(tokens[rows, lengths + offset]))
     np.testing.assert_array_equal(cache.lengths, lengths + 12)
+    # The sliding layers keep a ring of their window's 4 slots (the prompt of 8 already wraps it).
+    slots = [layer.keys.shape[2] for layer in cache.layers]
+    assert slots == ([4, 20] if changes.get("sliding_window") else [20, 20])
 
 
-@pytest.mark.parametrize("changes", [{}, {"positions": "rotary", "num_kv_heads": 2}])
-def test_a_few_tokens_at_once_follow_the_cache(changes):
+@pytest.mark.parametrize("changes", [{}, {"positions": "rotary", "num_kv_heads": 2}, GEMMA_SHAPED])
+@pytest.mark.parametrize("new", [3, 6])
+def test_a_few_tokens_at_once_follow_the_cache(changes, new):
+    """Chunks of 3 and 6 new tokens: 6 is more than a ring of 4 slots holds, so its first
+    positions are seen by the chunk's own queries alone and never written."""
     model = language_model(**changes)
-    tokens = np.random.default_rng(1).integers(0, VOCAB, (2, 12)).astype(np.int32)
+    tokens = np.random.default_rng(1).integers(0, VOCAB, (2, 18)).astype(np.int32)
     full = full_logits(model, tokens)
-    lengths = jnp.asarray([4, 6], jnp.int32)
-    _, cache = jit_prefill(model, jnp.asarray(tokens[:, :6]), lengths, 16)
-    new = np.stack([tokens[0, 4:7], tokens[1, 6:9]])
-    x, _ = model.embedder(jnp.asarray(new), jnp.ones(new.shape, bool))
-    hidden, cache = model.body.extend(x, cache)
-    logits = model.head(hidden, jnp.ones((2, 3), bool)).logits()
-    np.testing.assert_allclose(logits[0], full[0, 4:7], atol=2e-5, rtol=1e-5)
-    np.testing.assert_allclose(logits[1], full[1, 6:9], atol=2e-5, rtol=1e-5)
+    lengths = np.array([4, 6], np.int32)
+    _, cache = jit_prefill(model, jnp.asarray(tokens[:, :6]), jnp.asarray(lengths), 18)
+    for _ in range(2):
+        chunk = np.stack([tokens[row, start : start + new] for row, start in enumerate(lengths)])
+        x, _ = model.embedder(jnp.asarray(chunk), jnp.ones(chunk.shape, bool))
+        hidden, cache = model.body.extend(x, cache)
+        logits = model.head(hidden, jnp.ones(chunk.shape, bool)).logits()
+        for row, start in enumerate(lengths):
+            np.testing.assert_allclose(logits[row], full[row, start : start + new], atol=2e-5, rtol=1e-5)
+        lengths = lengths + new
 
 
 def test_grouped_query_heads_must_divide_the_heads():
