@@ -292,9 +292,7 @@ def evaluate(
 
     if model is None:
         workdir = workdir or Path("runs") / task
-    result = run.evaluate(
-        task_type, workdir, split=split, data=data, model=model, preset=preset, baselines=baselines
-    )
+    result = run.evaluate(task_type, workdir, split=split, data=data, model=model, preset=preset, baselines=baselines)
     report = dict(result)
     # Generated text scored per decoding (greedy, beam), then the baselines: one column each.
     columns = {
@@ -564,7 +562,7 @@ def bench(
             "and GPT-2-sized decoders (decode-small, decode-gpt2: one of them); transcribe: Whisper's "
             "real-time factor (with --model); translate, summarize: each preset's training and decoding speed; "
             "serve: apps serve under concurrent clients (--model or --workdir; --clients, --seconds, --slots, "
-            "--against)."
+            "--against, --fixed-lengths)."
         ),
     ] = None,
     steps: Annotated[int, typer.Option(help="Timed train steps per config, after warm-up.")] = 10,
@@ -590,6 +588,13 @@ def bench(
     context: Annotated[
         Optional[int], typer.Option(help="serve: positions per slot of the served model (apps serve --context).")
     ] = None,
+    fixed_lengths: Annotated[
+        bool,
+        typer.Option(
+            help="serve: each answer runs to its max_tokens (min_tokens = max_tokens: no end token is drawn "
+            "before), so every server writes the same mix of output lengths."
+        ),
+    ] = False,
 ) -> None:
     """Time the core's jitted train step (tokens/s, step time, compile time, MFU) or decoding (new tokens/s)."""
     import json
@@ -615,7 +620,9 @@ def bench(
         elif model is not None:
             raise UserError("apps bench serve: give --model or --workdir, not both.")
         results = {
-            "serve": serve_bench.main(model, workdir, counts, _console(), list(against or []), seconds, slots, context)
+            "serve": serve_bench.main(
+                model, workdir, counts, _console(), list(against or []), seconds, slots, context, fixed_lengths
+            )
         }
     elif configs == ["transcribe"]:
         if model is None:

@@ -8,7 +8,9 @@ server forced to one slot (`--max-batch 1`: one request at a time), and to each 
 URL (any OpenAI-compatible server, such as llama.cpp's `llama-server` on the same GGUF). Each
 client sends streamed completion requests (`/v1/completions`, greedy) one after another for
 `seconds`; the requests mix short and long prompts (`PROMPTS`) and outputs (`MAX_TOKENS`), in
-an order fixed by the request's number.
+an order fixed by the request's number. A model often ends an answer well before its
+max_tokens; `--fixed-lengths` sets each request's min_tokens to its max_tokens (as vLLM's and
+llama-cpp-python's servers take it), so every server writes the lengths of the mix.
 
 The figures are of that window alone, so that they measure the server loaded by `clients`, not
 a ramp-up or a tail where fewer clients are left: the tokens are those streamed within it (each
@@ -60,11 +62,18 @@ def job(number: int) -> tuple[str, int]:
     return PROMPTS[number % len(PROMPTS)], MAX_TOKENS[(number // len(PROMPTS)) % len(MAX_TOKENS)]
 
 
-def run_load(url: str, model: str, clients: int, seconds: float = SECONDS, api_key: str | None = None) -> dict:
+def run_load(
+    url: str,
+    model: str,
+    clients: int,
+    seconds: float = SECONDS,
+    api_key: str | None = None,
+    fixed_lengths: bool = False,
+) -> dict:
     """`clients` threads send streamed completions to `url` (an OpenAI base URL, ending in /v1)
     for `seconds`, client i sending requests i, i + clients, i + 2 clients, ... -> the figures
     of the module's text, with the counts behind them ("tokens", "requests", "cut": answers cut
-    off at the end)."""
+    off at the end). `fixed_lengths`: each request sets min_tokens to its max_tokens."""
     import httpx2 as httpx
 
     finished: list[dict] = []
@@ -83,7 +92,7 @@ def run_load(url: str, model: str, clients: int, seconds: float = SECONDS, api_k
             "temperature": 0,
             "stream": True,
             "stream_options": {"include_usage": True},
-        }
+        } | ({"min_tokens": max_tokens} if fixed_lengths else {})
         sent, first, usage, pieces = time.perf_counter(), None, None, 0
         with session.stream("POST", f"{url}/completions", json=body) as response:
             if response.status_code != 200:
@@ -199,6 +208,7 @@ def main(
     seconds: float = SECONDS,
     slots: int = 16,
     context: int | None = None,
+    fixed_lengths: bool = False,
 ) -> list[dict]:
     """The table of the module's text: `apps serve` of a pretrained `model` (a name or a file) or
     of a trained language model's `workdir`, with `slots` slots and with one (each slot
@@ -213,7 +223,8 @@ def main(
     rows = []
     table = figures(
         f"apps serve under load: {name}",
-        f"streamed greedy completions, prompts and outputs mixed, {seconds:g} s per client count; tokens "
+        f"streamed greedy completions, prompts and outputs mixed{' (each to its max_tokens)' * fixed_lengths}, "
+        f"{seconds:g} s per client count; tokens "
         "streamed within them, requests finished within them",
         ("server", "clients", "requests", "req/s", "tokens/s", "p50 s", "p99 s", "p50 TTFT s", "p99 TTFT s"),
     )
@@ -224,7 +235,7 @@ def main(
     targets += [(url, contextlib.nullcontext(url.rstrip("/"))) for url in against]
     for label, server in targets:
         with server as url:
-            found = [run_load(url, name, c, seconds) for c in clients]
+            found = [run_load(url, name, c, seconds, fixed_lengths=fixed_lengths) for c in clients]
         for figure in found:
             rows.append({"server": label, **figure})
             table.add_row(

@@ -104,6 +104,9 @@ class Sampling(Strict):
     stream: bool = False
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=0, lt=2**32)
+    # As vLLM's and llama-cpp-python's servers take it: the model's end tokens cannot be drawn
+    # before this many new tokens (min_tokens = max_tokens fixes a load benchmark's output lengths).
+    min_tokens: int = Field(default=0, ge=0)
     user: str | None = None
     stream_options: StreamOptions | None = None
 
@@ -486,6 +489,8 @@ class Server:
                 f"context, which leaves {max(room, 0)} for new tokens.",
                 "max_tokens",
             )
+        if body.min_tokens > max_new:
+            raise ApiError(400, f"min_tokens: {body.min_tokens} is more than max_tokens ({max_new}).", "min_tokens")
         seed = body.seed if body.seed is not None else secrets.randbits(31)
         events: asyncio.Queue = asyncio.Queue()  # every choice's new text, as it comes (for streaming)
         streams = [
@@ -502,6 +507,7 @@ class Server:
                 top_p=body.top_p,
                 seed=(seed + s.index) % 2**32,
                 stop_ids=frozenset(served.predictor.featurizer.tokenizer.stop_ids),
+                min_new=body.min_tokens,
             )
             for s in streams
         ]

@@ -41,9 +41,10 @@ log = logging.getLogger("apps")
 @dataclass
 class Request:
     """One generation: prompt ids, how many new tokens at most, the sampling settings, the ids
-    that end it, and `emit(token, reason)`: called with each new token (reason None), then once
-    with token None and why it ended ("stop": a stop id, not emitted; "length": max_new;
-    "cancelled"; "error: ..."). `cancel()` from any thread frees its slot before the next step."""
+    that end it (never drawn before `min_new` new tokens), and `emit(token, reason)`: called with
+    each new token (reason None), then once with token None and why it ended ("stop": a stop id,
+    not emitted; "length": max_new; "cancelled"; "error: ..."). `cancel()` from any thread frees
+    its slot before the next step."""
 
     prompt: Sequence[int]
     max_new: int
@@ -52,6 +53,7 @@ class Request:
     top_p: float = 1.0
     seed: int = 0
     stop_ids: frozenset[int] = frozenset()
+    min_new: int = 0
     submitted: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -63,14 +65,22 @@ class QueueFull(Exception):
     """The engine's queue holds `queue_size` waiting requests already."""
 
 
-def _pick(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, seed: jax.Array, count: jax.Array):
+# The most stop ids a request with `min_new` may hold back (a tokenizer has a few: end of text,
+# end of turn), and the id that fills the rest of its row, out of any vocabulary's range.
+HELD = 8
+NO_ID = 2**31 - 1
+
+
+def _pick(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, seed: jax.Array, count: jax.Array, held):
     """Each row's next token from logits [S, V] and its settings [S]: greedy at temperature 0,
-    else sampled in the nucleus of top_p with the key of (seed, count).
+    else sampled in the nucleus of top_p with the key of (seed, count); never one of the row's
+    `held` ids [S, HELD] (its stop ids while it has fewer than `min_new` tokens; NO_ID pads).
 
     The draws (random bits for every entry of the vocabulary) and the nucleus (a sort of it) cost
     more than the rest of a small model's step at a large vocabulary, so each runs only when some
     row asks for it: a real branch on the CPU, and a row's tokens never depend on whether its
     neighbours sample (top_p 1 keeps every logit, with or without the sort)."""
+    logits = logits.at[jnp.arange(logits.shape[0])[:, None], held].set(-jnp.inf, mode="drop")
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def sampled():
@@ -122,21 +132,21 @@ class Engine:
         hidden, row = model.body.prefill(x, mask, row)
         logits = logits_of(model, jnp.take_along_axis(hidden, (length - 1).reshape(1, 1, 1), axis=1))[0]
         cache = jax.tree.map(lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r, slot, axis=0), cache, row)
-        temperature, top_p, seed = sampling
+        temperature, top_p, seed, held = sampling
         row = (jnp.atleast_1d(v) for v in (temperature, top_p, seed, jnp.int32(0)))
-        return _pick(logits[None], *row)[0], cache
+        return _pick(logits[None], *row, held[None])[0], cache
 
-    def _decode_rows(self, rows, params, cache, tokens, active, temperature, top_p, seed, count):
+    def _decode_rows(self, rows, params, cache, tokens, active, temperature, top_p, seed, count, held):
         """`_decode_step` on the cache's first `rows` rows alone (every argument after the cache
         is of those rows): a step costs what its rows cost, so a few active slots in the
         lowest rows (where `_admit` puts requests) step at the price of a few."""
         if rows == self.slots:
-            return self._decode_step(params, cache, tokens, active, temperature, top_p, seed, count)
+            return self._decode_step(params, cache, tokens, active, temperature, top_p, seed, count, held)
         part = jax.tree.map(lambda a: a[:rows], cache)
-        tokens, part = self._decode_step(params, part, tokens, active, temperature, top_p, seed, count)
+        tokens, part = self._decode_step(params, part, tokens, active, temperature, top_p, seed, count, held)
         return tokens, jax.tree.map(lambda a, p: jax.lax.dynamic_update_slice_in_dim(a, p, 0, axis=0), cache, part)
 
-    def _decode_step(self, params, cache, tokens, active, temperature, top_p, seed, count):
+    def _decode_step(self, params, cache, tokens, active, temperature, top_p, seed, count, held):
         """One token for every slot [S] -> (the next token of each, the cache); an idle slot
         computes at position 0, so its row never runs past the context."""
         model = nnx.merge(self.graphdef, params)
@@ -144,7 +154,7 @@ class Engine:
         x, _ = model.embedder(tokens[:, None], jnp.ones((tokens.shape[0], 1), bool))
         hidden, cache = model.body.extend(x, cache)
         logits = logits_of(model, hidden)
-        return _pick(logits, temperature, top_p, seed, count), cache
+        return _pick(logits, temperature, top_p, seed, count, held), cache
 
     # Running ---------------------------------------------------------------------------------
 
@@ -163,7 +173,7 @@ class Engine:
         timings = {}
         for width in self.widths():
             started = time.perf_counter()
-            self._prefill_slot(0, [0] * width, (0.0, 1.0, 0))
+            self._prefill_slot(0, Request([0] * width, 1, lambda *_: None))
             timings[f"prefill {width}"] = time.perf_counter() - started
         for rows in self.row_counts():
             started = time.perf_counter()
@@ -184,6 +194,8 @@ class Engine:
             self._thread.join(timeout)
 
     def submit(self, request: Request) -> None:
+        if request.min_new and len(request.stop_ids) > HELD:
+            raise ValueError(f"min_new holds back at most {HELD} stop ids; the request has {len(request.stop_ids)}")
         if len(request.prompt) + request.max_new > self.context:
             raise ValueError(
                 f"{len(request.prompt)} prompt tokens and {request.max_new} new ones exceed the {self.context} "
@@ -239,7 +251,7 @@ class Engine:
             return
         self.active[slot] = request
         try:
-            token = self._prefill_slot(slot, request.prompt, (request.temperature, request.top_p, request.seed))
+            token = self._prefill_slot(slot, request)
         except Exception as error:
             log.exception("A prefill failed.")
             self._finish(slot, f"error: {error}")
@@ -247,12 +259,17 @@ class Engine:
         self.counts[slot] = 0
         self._advance(slot, request, token)
 
-    def _prefill_slot(self, slot: int, prompt: Sequence[int], sampling: tuple) -> int:
+    def _prefill_slot(self, slot: int, request: Request) -> int:
+        prompt = request.prompt
         width = bucket_width(len(prompt), self.context - 1)
         tokens = np.zeros((1, width), np.int32)
         tokens[0, : len(prompt)] = prompt
-        temperature, top_p, seed = sampling
-        settings = (jnp.float32(temperature), jnp.float32(top_p), jnp.uint32(seed))
+        settings = (
+            jnp.float32(request.temperature),
+            jnp.float32(request.top_p),
+            jnp.uint32(request.seed),
+            _held([request], [0])[0],
+        )
         token, self.cache = self._prefill(
             self.params, self.cache, tokens, jnp.int32(len(prompt)), jnp.int32(slot), settings
         )
@@ -282,6 +299,7 @@ class Engine:
             np.array([r.top_p for r in requests], np.float32),
             np.array([r.seed for r in requests], np.uint32),
             self.counts[:rows],
+            _held(requests, self.counts[:rows]),
         )
         self.steps += 1
         found = np.zeros(self.slots, np.int32)
@@ -305,6 +323,17 @@ class Engine:
         request, self.active[slot] = self.active[slot], None
         if request is not None:
             _tell(request, None, reason)
+
+
+def _held(requests: Sequence[Request], counts: Sequence[int]) -> np.ndarray:
+    """The ids each request may not draw next [len(requests), HELD]: its stop ids while it has
+    fewer than `min_new` tokens."""
+    held = np.full((len(requests), HELD), NO_ID, np.int32)
+    for row, (request, count) in enumerate(zip(requests, counts)):
+        if count < request.min_new:
+            ids = sorted(request.stop_ids)
+            held[row, : len(ids)] = ids
+    return held
 
 
 def _tell(request: Request, token: int | None, reason: str | None) -> None:

@@ -22,6 +22,7 @@ import openai
 import pytest
 import soundfile
 from conftest import apps
+from rich.console import Console
 from test_multiprocess import free_port
 from tiny_gguf import write_tiny_gguf
 
@@ -158,6 +159,19 @@ def test_a_stop_sequence_and_seeded_sampling(server):
     assert len({c.text for c in drawn[0].choices}) > 1  # each of n draws with its own seed
 
 
+def test_min_tokens_holds_the_end_tokens_back(server):
+    """The same seeded draws with and without min_tokens: the answers that drew an end token stop
+    there without it, and draw another token there with it, running on to max_tokens."""
+    request = {"model": "tiny.gguf", "prompt": "x", "max_tokens": 100, "temperature": 2.0, "seed": 1, "n": 16}
+    natural = client(url := server[0]).completions.create(**request)
+    ended = [c for c in natural.choices if c.finish_reason == "stop"]
+    assert ended and natural.usage.completion_tokens < 16 * 100
+    fixed = client(url).completions.create(**request, extra_body={"min_tokens": 100})
+    assert {c.finish_reason for c in fixed.choices} == {"length"} and fixed.usage.completion_tokens == 16 * 100
+    for choice in ended:  # (less a piece of a character that the end token cut short)
+        assert fixed.choices[choice.index].text.startswith(choice.text.rstrip("\ufffd"))
+
+
 def test_concurrent_requests_share_decode_steps_and_give_what_each_gives_alone(server):
     url, _ = server
     ask = lambda prompt: (
@@ -235,6 +249,7 @@ def test_predict_batches_concurrent_requests_into_one_call(server):
         ("/v1/completions", {"prompt": ""}, 400, "prompt"),
         ("/v1/completions", {"prompt": "a", "max_tokens": 500}, 400, "max_tokens"),
         ("/v1/completions", {"prompt": "a", "temperature": -1}, 400, "temperature"),
+        ("/v1/completions", {"prompt": "a", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens"),
         ("/v1/completions", {"prompt": "a", "model": "gpt-9"}, 404, "model"),
         ("/v1/chat/completions", {"messages": []}, 400, "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages.0.role"),
@@ -443,3 +458,9 @@ def test_the_load_benchmark_serves_a_trained_run_at_its_slots_and_at_one(tmp_pat
     rows = json.loads(figures.read_text())["serve"]
     assert [row["server"] for row in rows] == ["apps serve, 2 slots", "apps serve, 1 slot"]
     assert all(row["requests"] >= 1 and row["tokens"] >= 1 for row in rows), rows
+    # Every answer at its length: one client's finished requests wrote the mix's max_tokens, and
+    # the one cut off at the end fewer than its own.
+    fixed = serve_bench.main(None, workdir, [1], Console(), seconds=2, slots=2, fixed_lengths=True)
+    for row in fixed:
+        finished = sum(serve_bench.job(n)[1] for n in range(row["requests"]))
+        assert finished <= row["tokens"] < finished + serve_bench.job(row["requests"])[1] * row["cut"] + 1
