@@ -443,6 +443,11 @@ def _split_options(arguments: list[str], switches: set[str] = frozenset()) -> tu
     return lines, options
 
 
+def _check_dtype(dtype: str) -> None:
+    if dtype not in ("float32", "bfloat16"):
+        raise UserError(f"--dtype {dtype}: expected float32 or bfloat16.")
+
+
 @app.command()
 @user_errors
 def serve(
@@ -464,6 +469,13 @@ def serve(
     context: Annotated[
         Optional[int], typer.Option(help="Positions per generation slot (default: the model's, at most 2048).")
     ] = None,
+    dtype: Annotated[
+        str,
+        typer.Option(
+            help="Generation weights: float32, or bfloat16 (products in bfloat16 with float32 sums: faster with "
+            "two or more requests at once; activations and the cache stay float32)."
+        ),
+    ] = "float32",
     queue: Annotated[int, typer.Option(help="Requests that may wait per model; past it, 503.")] = 256,
     timeout: Annotated[float, typer.Option(help="Seconds a request may take; past it, 504.")] = 300.0,
     api_key: Annotated[
@@ -486,6 +498,7 @@ def serve(
         )
     if max_batch < 1 or queue < 1 or timeout <= 0 or max_wait_ms < 0:
         raise UserError("--max-batch and --queue must be at least 1, --timeout positive, --max-wait-ms at least 0.")
+    _check_dtype(dtype)
     _show_task_log()
     import uvicorn
 
@@ -500,6 +513,7 @@ def serve(
         slots=max_batch,
         context=context,
         queue=queue,
+        dtype=dtype,
     )
     console = _console()
     for item in served:
@@ -595,6 +609,9 @@ def bench(
             "before), so every server writes the same mix of output lengths."
         ),
     ] = False,
+    dtype: Annotated[
+        str, typer.Option(help="serve: the served model's generation weights (apps serve --dtype).")
+    ] = "float32",
 ) -> None:
     """Time the core's jitted train step (tokens/s, step time, compile time, MFU) or decoding (new tokens/s)."""
     import json
@@ -613,6 +630,7 @@ def bench(
             counts = [int(c) for c in clients.split(",")]
         except ValueError:
             raise UserError(f"--clients {clients!r}: expected counts separated by commas, e.g. 1,4,16.") from None
+        _check_dtype(dtype)
         if seconds <= 0 or slots < 2:
             raise UserError(f"--seconds {seconds:g}, --slots {slots}: seconds must be positive, slots at least 2.")
         if workdir is None:
@@ -621,7 +639,7 @@ def bench(
             raise UserError("apps bench serve: give --model or --workdir, not both.")
         results = {
             "serve": serve_bench.main(
-                model, workdir, counts, _console(), list(against or []), seconds, slots, context, fixed_lengths
+                model, workdir, counts, _console(), list(against or []), seconds, slots, context, fixed_lengths, dtype
             )
         }
     elif configs == ["transcribe"]:

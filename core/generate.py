@@ -54,6 +54,21 @@ logger = logging.getLogger("apps")
 COMPILER_OPTIONS = {"xla_cpu_copy_insertion_use_region_analysis": True}
 
 
+def narrowed(params: Any, dtype: str) -> Any:
+    """Decoding weights: every linear layer's kernel of `params` (an nnx state) in `dtype`, the
+    rest (embeddings, norms, biases) as they are, so that the activations stay in float32. With
+    "bfloat16" each product multiplies in bfloat16 with float32 sums (`core.transformer.product`),
+    about 1.5x faster than float32 at 2-16 rows on XLA:CPU. The cache stays in float32: XLA:CPU
+    scatters a bfloat16 one by converting all of it to float32 and back, at every step."""
+    if dtype == "float32":
+        return params
+
+    def cast(path, leaf):
+        return leaf.astype(dtype) if any(getattr(key, "key", None) == "kernel" for key in path) else leaf
+
+    return jax.tree_util.tree_map_with_path(cast, params)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Sampling:
     """How `sample` picks tokens: temperature 0 is greedy (argmax); else softmax(logits / T),

@@ -162,13 +162,13 @@ class _Server:
     """`apps serve SOURCE --max-batch N` in a subprocess, for the length of a `with`; SOURCE is
     `--model NAME` or `--workdir DIR`."""
 
-    def __init__(self, source: list[str], max_batch: int, context: int | None = None):
-        self.source, self.max_batch, self.context = source, max_batch, context
+    def __init__(self, source: list[str], max_batch: int, context: int | None = None, dtype: str = "float32"):
+        self.source, self.max_batch, self.context, self.dtype = source, max_batch, context, dtype
 
     def __enter__(self) -> str:
         port = _free_port()
         command = [sys.executable, "-m", "cli", "serve", *self.source, "--port", str(port)]
-        command += ["--max-batch", str(self.max_batch)]
+        command += ["--max-batch", str(self.max_batch), "--dtype", self.dtype]
         if self.context is not None:
             command += ["--context", str(self.context)]
         self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed in __exit__
@@ -209,11 +209,12 @@ def main(
     slots: int = 16,
     context: int | None = None,
     fixed_lengths: bool = False,
+    dtype: str = "float32",
 ) -> list[dict]:
     """The table of the module's text: `apps serve` of a pretrained `model` (a name or a file) or
     of a trained language model's `workdir`, with `slots` slots and with one (each slot
-    `context` positions long; None: the server's default), then each other one; `seconds` of
-    load per client count."""
+    `context` positions long, None: the server's default; its weights in `dtype`), then each
+    other one; `seconds` of load per client count."""
     if any(c < 1 for c in clients):
         raise UserError("--clients: each count must be at least 1.")
     from core.server import served_name
@@ -222,7 +223,7 @@ def main(
     source = ["--model", model] if workdir is None else ["--workdir", str(workdir)]
     rows = []
     table = figures(
-        f"apps serve under load: {name}",
+        f"apps serve under load: {name}, {dtype} weights",
         f"streamed greedy completions, prompts and outputs mixed{' (each to its max_tokens)' * fixed_lengths}, "
         f"{seconds:g} s per client count; tokens "
         "streamed within them, requests finished within them",
@@ -230,7 +231,7 @@ def main(
     )
     # Each target: its label and what gives its base URL for the length of its runs.
     targets = [
-        (f"apps serve, {batch} slot{'s' * (batch > 1)}", _Server(source, batch, context)) for batch in (slots, 1)
+        (f"apps serve, {batch} slot{'s' * (batch > 1)}", _Server(source, batch, context, dtype)) for batch in (slots, 1)
     ]
     targets += [(url, contextlib.nullcontext(url.rstrip("/"))) for url in against]
     for label, server in targets:

@@ -680,10 +680,12 @@ def load(
     slots: int,
     context: int | None,
     queue: int,
+    dtype: str = "float32",
 ) -> list[Served]:
     """The served models: each run of `workdirs` (its task read from its config.json and found
     by `task_named`, the registry's lookup) and each pretrained decoder of `models` (served by
-    `decoder_task`, which `completes`), loaded and, for a language model, given an engine."""
+    `decoder_task`, which `completes`), loaded and, for a language model, given an engine whose
+    weights are in `dtype` (`core.generate.narrowed`)."""
     from core import run
     from core.checkpoint import read_json
 
@@ -694,10 +696,10 @@ def load(
             raise UserError(f"{workdir} holds no trained run (no config.json).")
         name = read_json(config, "train the run again into a new --workdir.").get("task")
         predictor = run.Predictor(task_named(name), workdir)
-        served.append(Served(served_name(workdir=workdir), predictor, _engine(predictor, slots, context, queue)))
+        served.append(Served(served_name(workdir=workdir), predictor, _engine(predictor, slots, context, queue, dtype)))
     for model in models:
         predictor = run.Predictor(decoder_task, model=model)
-        served.append(Served(served_name(model=model), predictor, _engine(predictor, slots, context, queue)))
+        served.append(Served(served_name(model=model), predictor, _engine(predictor, slots, context, queue, dtype)))
     return served
 
 
@@ -710,7 +712,7 @@ def served_name(*, model: str | None = None, workdir: str | Path | None = None) 
 DEFAULT_CONTEXT = 2048
 
 
-def _engine(predictor, slots: int, context: int | None, queue: int) -> Engine | None:
+def _engine(predictor, slots: int, context: int | None, queue: int, dtype: str) -> Engine | None:
     """A generation engine for a language model (a task that `completes`), its slots `context` positions
     long (default: the model's, at most DEFAULT_CONTEXT: each slot's cache is that long), at
     most `queue` requests waiting; None for any other task."""
@@ -719,4 +721,5 @@ def _engine(predictor, slots: int, context: int | None, queue: int) -> Engine | 
     limit = predictor.task.config.model.max_len
     if context is not None and not 2 <= context <= limit:
         raise UserError(f"--context {context}: must be from 2 to the model's {limit} positions.")
-    return Engine(predictor.model, slots=slots, context=context or min(limit, DEFAULT_CONTEXT), queue_size=queue)
+    context = context or min(limit, DEFAULT_CONTEXT)
+    return Engine(predictor.model, slots=slots, context=context, queue_size=queue, dtype=dtype)

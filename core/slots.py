@@ -32,7 +32,7 @@ import numpy as np
 from flax import nnx
 
 from core.data import bucket_width
-from core.generate import COMPILER_OPTIONS, filter_logits, logits_of
+from core.generate import COMPILER_OPTIONS, filter_logits, logits_of, narrowed
 from core.transformer import Model
 
 log = logging.getLogger("apps")
@@ -97,7 +97,9 @@ def _pick(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, seed: jax
 class Engine:
     """The slots, their cache and the thread that decodes them (see the module's text)."""
 
-    def __init__(self, model: Model, *, slots: int, queue_size: int = 256, context: int | None = None):
+    def __init__(
+        self, model: Model, *, slots: int, queue_size: int = 256, context: int | None = None, dtype: str = "float32"
+    ):
         config = model.body.config
         if not config.causal:
             raise ValueError("Continuous batching needs a causal (decoder-only) model.")
@@ -107,9 +109,9 @@ class Engine:
         # there from the start (a step returns it so placed, and a program compiled for the first
         # placement would compile again for the second at the first request).
         device = jax.local_devices()[0]
-        self.params = jax.device_put(params, device)
-        dtype = model.embedder.embedding.embedding[...].dtype
-        self.cache = jax.device_put(model.body.init_cache(slots, self.context, dtype), device)
+        self.params = jax.device_put(narrowed(params, dtype), device)
+        cache_dtype = model.embedder.embedding.embedding[...].dtype
+        self.cache = jax.device_put(model.body.init_cache(slots, self.context, cache_dtype), device)
         self.waiting: queue.Queue[Request] = queue.Queue(maxsize=queue_size)
         self.active: list[Request | None] = [None] * slots
         self.counts = np.zeros(slots, np.int32)  # tokens each slot's request has had

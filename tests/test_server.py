@@ -290,9 +290,11 @@ def test_the_key_is_required_everywhere_but_health(server):
         openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
 
 
-def test_serving_beyond_loopback_needs_a_key(tmp_path, tiny):
+def test_serving_beyond_loopback_needs_a_key_and_an_unknown_dtype_is_refused(tmp_path, tiny):
     result = apps("serve", "--model", tiny, "--host", "0.0.0.0")
     assert result.exit_code == 1 and "give --api-key" in " ".join(result.output.split())
+    result = apps("serve", "--model", tiny, "--dtype", "float16")
+    assert result.exit_code == 1 and "--dtype float16: expected float32 or bfloat16" in " ".join(result.output.split())
 
 
 def test_a_full_queue_is_503_and_sigterm_finishes_the_requests_in_flight_then_exits(tmp_path, tiny):
@@ -459,8 +461,8 @@ def test_the_load_benchmark_serves_a_trained_run_at_its_slots_and_at_one(tmp_pat
     assert [row["server"] for row in rows] == ["apps serve, 2 slots", "apps serve, 1 slot"]
     assert all(row["requests"] >= 1 and row["tokens"] >= 1 for row in rows), rows
     # Every answer at its length: one client's finished requests wrote the mix's max_tokens, and
-    # the one cut off at the end fewer than its own.
-    fixed = serve_bench.main(None, workdir, [1], Console(), seconds=2, slots=2, fixed_lengths=True)
+    # the one cut off at the end fewer than its own; the servers' weights in bfloat16.
+    fixed = serve_bench.main(None, workdir, [1], Console(), seconds=2, slots=2, fixed_lengths=True, dtype="bfloat16")
     for row in fixed:
         finished = sum(serve_bench.job(n)[1] for n in range(row["requests"]))
         assert finished <= row["tokens"] < finished + serve_bench.job(row["requests"])[1] * row["cut"] + 1

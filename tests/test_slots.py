@@ -156,3 +156,28 @@ def test_warm_up_compiles_every_prompt_width_once_and_requests_compile_nothing_m
     collectors = [Collector(), Collector()]  # the first requests, at the first width, compile nothing more
     run_all(engine, [Request(PROMPTS[0], 4, collectors[0]), Request(PROMPTS[1], 6, collectors[1])], collectors)
     assert (engine._prefill._cache_size(), engine._step._cache_size()) == compiled
+
+
+def test_bfloat16_weights_decode_in_slots_as_the_narrowed_model_does_alone():
+    """An engine given dtype="bfloat16" holds every linear kernel in bfloat16 and nothing else
+    (the embeddings and norms stay float32), and its slots give, token for token, what the core's
+    generation gives each request alone with those weights."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from core.generate import narrowed
+
+    model = language_model()
+    engine = Engine(model, slots=2, dtype="bfloat16")
+    dtypes = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(engine.params)[0]:
+        dtypes.setdefault("'kernel'" in jax.tree_util.keystr(path), set()).add(leaf.dtype)
+    assert dtypes == {True: {jnp.dtype(jnp.bfloat16)}, False: {jnp.dtype(jnp.float32)}}
+    lengths = [6, 2, 9]
+    collectors = [Collector() for _ in lengths]
+    run_all(engine, [Request(PROMPTS[i], n, c) for i, (n, c) in enumerate(zip(lengths, collectors))], collectors)
+    graphdef, params = nnx.split(model)
+    narrow = nnx.merge(graphdef, narrowed(params, "bfloat16"))
+    for i, (new, collector) in enumerate(zip(lengths, collectors)):
+        assert collector.tokens == list(generate(narrow, [PROMPTS[i]], max_new_tokens=new).tokens[0])

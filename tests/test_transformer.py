@@ -144,3 +144,25 @@ def test_matmul_gradients_are_plain_autodiff(inputs, outputs, dtype):
     for a, b in zip(custom, plain):
         assert a.dtype == b.dtype == dtype and a.shape == b.shape
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5])
+def test_bfloat16_weights_multiply_in_bfloat16_with_float32_sums(rows):
+    """A bfloat16 kernel under float32 activations (decoding weights, `core.generate.narrowed`):
+    the product is float32 and equals the float32 product of both operands rounded to bfloat16
+    (products of bfloat16 values are exact in float32), for one row (multiplied as two inside)
+    as for several; the gradients keep each operand's dtype."""
+    from core.transformer import matmul
+
+    rng = np.random.default_rng(rows)
+    x = jnp.asarray(rng.standard_normal((rows, 1, 24)), jnp.float32)
+    kernel = jnp.asarray(rng.standard_normal((24, 40)), jnp.bfloat16)
+    rounded = x.astype(jnp.bfloat16).astype(jnp.float32) @ kernel.astype(jnp.float32)
+    got = matmul(x, kernel)
+    assert got.dtype == jnp.float32 and got.shape == (rows, 1, 40)
+    np.testing.assert_allclose(got, rounded, rtol=1e-6, atol=1e-5)
+    grad_x, grad_kernel = jax.grad(lambda x, k: matmul(x, k).sum(), (0, 1))(x, kernel)
+    assert grad_x.dtype == jnp.float32 and grad_kernel.dtype == jnp.bfloat16
+    np.testing.assert_allclose(grad_x, jnp.broadcast_to(kernel.astype(jnp.float32).sum(1), x.shape), rtol=1e-6)
+    column = x.astype(jnp.bfloat16).astype(jnp.float32).reshape(rows, 24).sum(0)
+    np.testing.assert_allclose(grad_kernel.astype(jnp.float32)[:, 0], column, rtol=1e-2, atol=1e-2)
