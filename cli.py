@@ -523,8 +523,9 @@ def serve(
             widths = ", ".join(str(w) for w in engine.widths())
             rows = ", ".join(str(n) for n in engine.row_counts())
             console.print(
-                f"{item.name} ({item.task.name}): {max_batch} slots of {engine.context} positions; compiled the "
-                f"decode step over {rows} rows and prefills of width {widths} in {sum(timings.values()):.1f} s."
+                f"{item.name} ({item.task.name}): {max_batch} slots of {engine.context} positions, {dtype} weights; "
+                f"compiled the decode step over {rows} rows and prefills of width {widths} in "
+                f"{sum(timings.values()):.1f} s."
             )
         else:
             console.print(f"{item.name} ({item.task.name}): predictions batched up to {max_batch} inputs.")
