@@ -113,9 +113,9 @@ def narrower(*dtypes) -> jnp.dtype:
 
 @jax.custom_vjp
 def matmul(x: jax.Array, kernel: jax.Array) -> jax.Array:
-    """x [..., I] @ kernel [I, O] -> x's dtype, multiplied in the narrower of the two dtypes
-    (`product`: bfloat16 weights with float32 activations multiply in bfloat16), with a weight
-    gradient that transposes the narrower operand.
+    """x [..., I] @ kernel [I, O] -> x's dtype, multiplied in the dtype of fewer bytes of the
+    two (`product`: bfloat16 weights with float32 activations multiply in bfloat16), with a
+    weight gradient that transposes the narrower operand (in shape).
 
     The weight gradient x^T @ g contracts over tokens; XLA on CPU hands its matmul one operand
     transposed in memory, and by default picks g, fusing that strided write into whatever
