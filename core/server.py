@@ -527,7 +527,7 @@ class Server:
         if body.stream:
             usage = prompt_tokens if body.stream_options is not None and body.stream_options.include_usage else None
             events_stream = self._events(served, streams, events, ident, chat, usage)
-            return StreamingResponse(events_stream, media_type="text/event-stream")
+            return _EventStream(events_stream, media_type="text/event-stream")
         try:
             await self._within(asyncio.gather(*(s.finished for s in streams)))
         finally:
@@ -568,7 +568,7 @@ class Server:
         (stream_options.include_usage), then [DONE]. A client that goes away cancels them all."""
         head = {"id": ident, "object": "chat.completion.chunk" if chat else "text_completion"}
         head |= {"created": int(time.time()), "model": served.name}
-        open_streams = len(streams)
+        open_streams, counted = len(streams), False
         try:
             if chat:
                 for stream in streams:
@@ -586,13 +586,29 @@ class Server:
                 yield _event(
                     head | {"choices": [{"index": index, **content, "finish_reason": reason, "logprobs": None}]}
                 )
+            self._count(served, streams)  # before the end reaches the client, who may read the metrics next
+            counted = True
             if prompt_tokens is not None:
                 yield _event(head | {"choices": [], "usage": _usage(prompt_tokens, streams)})
             yield "data: [DONE]\n\n"
         finally:
             for stream in streams:
                 stream.request.cancel()
-            self._count(served, streams)
+            if not counted:  # cut off, timed out or failed: what was made still counts
+                self._count(served, streams)
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events that close their generator however the response ends. Starlette leaves
+    a generator cut off at a `yield` (the client gone while a chunk was being sent) to garbage
+    collection, which may come much later: till then its finally block, which frees the slots and
+    counts the tokens, would not run."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
 
 
 def _usage(prompt_tokens: int, streams: list[_Stream]) -> dict[str, int]:
