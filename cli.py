@@ -324,6 +324,13 @@ def predict(
             "(lm: smollm2-135m-instruct), a .gguf file or a Hugging Face folder."
         ),
     ] = None,
+    dtype: Annotated[
+        str,
+        typer.Option(
+            help="A generating task's decoding weights: float32, or bfloat16 (the linear layers' products in "
+            "bfloat16 with float32 sums; activations and caches stay float32)."
+        ),
+    ] = "float32",
     form: FormatOpt = "table",
     output: OutputOpt = None,
 ) -> None:
@@ -356,7 +363,9 @@ def predict(
 
     streams = task_type.generates and len(lines) == 1 and form == "table" and output is None
     source = {"model": model} if model is not None else {"workdir": workdir or Path("runs") / task}
-    rows = run.predict(task_type, lines=lines, options=options, on_text=write if streams else None, **source)
+    rows = run.predict(
+        task_type, lines=lines, options=options, on_text=write if streams else None, dtype=dtype, **source
+    )
     if shown:
         write("\n")
         return

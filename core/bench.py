@@ -373,12 +373,14 @@ def train_table(names: list[str], steps: int, console: Console) -> list[dict]:
 
 
 # A pretrained decoder (`apps bench --model NAME`): its decoding at batch 1 and 8 with float32
-# and bfloat16 weights, and its fine-tuning step, every weight and LoRA, at 4 rows of 512 tokens.
+# and bfloat16 weights, and its fine-tuning step, every weight and LoRA, at 4 rows of 512 tokens,
+# with float32 products and with bfloat16 ones (`train.matmul_dtype`).
 PRETRAINED_DECODE = ((1, "float32"), (8, "float32"), (1, "bfloat16"), (8, "bfloat16"))
 FINETUNE_BATCH, FINETUNE_LEN, LORA_RANK = 4, 512, 16
+FINETUNE_RUNS = ((0, "float32"), (0, "bfloat16"), (LORA_RANK, "float32"), (LORA_RANK, "bfloat16"))
 
 
-def pretrained_config(name: str, max_len: int, lora_rank: int = 0) -> Config:
+def pretrained_config(name: str, max_len: int, lora_rank: int = 0, matmul_dtype: str = "float32") -> Config:
     from core import pretrained
 
     return Config(
@@ -386,14 +388,14 @@ def pretrained_config(name: str, max_len: int, lora_rank: int = 0) -> Config:
         preset="bench",
         model=dataclasses.replace(pretrained.architecture(name, max_len=max_len), lora_rank=lora_rank),
         optim=OptimConfig(warmup_steps=1),
-        train=TrainConfig(batch_size=FINETUNE_BATCH, steps=100),
+        train=TrainConfig(batch_size=FINETUNE_BATCH, steps=100, matmul_dtype=matmul_dtype),
     )
 
 
-def pretrained_task(name: str, max_len: int, lora_rank: int = 0) -> CausalLM:
+def pretrained_task(name: str, max_len: int, lora_rank: int = 0, matmul_dtype: str = "float32") -> CausalLM:
     from core import pretrained
 
-    config = pretrained_config(name, max_len, lora_rank)
+    config = pretrained_config(name, max_len, lora_rank, matmul_dtype)
     return CausalLM(config=config, vocab_size=pretrained.read_checkpoint(name).vocab_size)
 
 
@@ -426,15 +428,16 @@ def pretrained_decode(name: str, console: Console) -> list[dict]:
 
 def pretrained_finetune(name: str, steps: int, console: Console) -> list[dict]:
     table = figures(
-        title=f"{name}: a fine-tuning step (AdamW, float32), {FINETUNE_BATCH} rows of {FINETUNE_LEN} tokens",
-        caption="tok/s: training tokens a second, best of the timed steps (median beside it).",
-        columns=("weights trained", "tok/s", "median", "ms/step", "compile s"),
+        title=f"{name}: a fine-tuning step (AdamW, float32 weights), {FINETUNE_BATCH} rows of {FINETUNE_LEN} tokens",
+        caption="tok/s: training tokens a second, best of the timed steps (median beside it); products: "
+        "train.matmul_dtype, bfloat16 multiplying the float32 weights and activations with float32 sums.",
+        columns=("weights trained", "products", "tok/s", "median", "ms/step", "compile s"),
     )
     results = []
     # The rows divide over the devices (tests simulate 8).
     rows = -(-FINETUNE_BATCH // jax.device_count()) * jax.device_count()
-    for rank in (0, LORA_RANK):
-        task = pretrained_task(name, FINETUNE_LEN, rank)
+    for rank, products in FINETUNE_RUNS:
+        task = pretrained_task(name, FINETUNE_LEN, rank, products)
         model = build_model(task, None, task.config, from_pretrained=True)
         compiled = make_steps(task, model, task.config, task.config.train.steps)
         tokens = np.random.default_rng(0).integers(0, task.vocab_size, (rows, FINETUNE_LEN + 1), np.int32)
@@ -459,7 +462,11 @@ def pretrained_finetune(name: str, steps: int, console: Console) -> list[dict]:
         tokens_per_s = rows * FINETUNE_LEN / min(times)
         median = rows * FINETUNE_LEN / float(np.median(times))
         label = "all" if rank == 0 else f"LoRA r{rank}"
-        results.append({"model": name, "lora_rank": rank, "tokens_per_s": tokens_per_s, "median": median})
-        table.add_row(label, f"{tokens_per_s:,.0f}", f"{median:,.0f}", f"{min(times) * 1e3:,.0f}", f"{compile_s:.1f}")
+        results.append(
+            {"model": name, "lora_rank": rank, "products": products, "tokens_per_s": tokens_per_s, "median": median}
+        )
+        table.add_row(
+            label, products, f"{tokens_per_s:,.0f}", f"{median:,.0f}", f"{min(times) * 1e3:,.0f}", f"{compile_s:.1f}"
+        )
     console.print(table)
     return results

@@ -53,9 +53,10 @@ class ConvSubsampling(nnx.Module):
         self.projection = nnx.Linear(channels * self.out_features, d_model, rngs=rngs)
 
     def __call__(self, frames: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
-        # The parameters' dtype is the compute dtype (float32, or bfloat16 when the train step casts
-        # them); frames may come in a narrower storage dtype (float16).
-        dtype = self.projection.kernel.dtype
+        # The biases' dtype is the compute dtype (float32, or bfloat16 when the train step casts the
+        # parameters; decoding weights narrow the kernels alone); frames may come in a narrower
+        # storage dtype (float16).
+        dtype = self.projection.bias.dtype
         lengths = mask.sum(-1)
         x = frames.astype(dtype)[..., None]  # [B, T, F, 1]: time and feature are the two spatial axes
         for conv in self.convs:
@@ -76,7 +77,8 @@ class WhisperStem(nnx.Module):
         self.conv2 = nnx.Conv(d_model, d_model, kernel_size=(3,), strides=(2,), padding=((1, 1),), rngs=rngs)
 
     def __call__(self, frames: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
-        dtype = self.conv1.kernel.dtype
+        # The compute dtype: the biases' (decoding weights, `core.generate.narrowed`, narrow the kernels alone).
+        dtype = self.conv1.bias.dtype
         x = frames.astype(dtype) * mask[..., None].astype(dtype)
         x = jax.nn.gelu(self.conv1(x), approximate=False) * mask[..., None].astype(dtype)
         x = jax.nn.gelu(self.conv2(x), approximate=False)

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from core.heads import CopyProjection, mix
+from core.transformer import narrower, product
 
 
 def cross_entropy(
@@ -107,7 +108,9 @@ def _chunks(x: jax.Array, chunk: int) -> jax.Array:
 
 
 def _ce_chunk(h, weight, t, w, smoothing: float, with_grads: bool, weight_grads: bool = True):
-    logits = jnp.dot(h, weight.T.astype(h.dtype), preferred_element_type=jnp.float32)  # [K, V]
+    # In h's dtype, or a narrower one of `products_in` (bfloat16 products, float32 sums).
+    dtype = narrower(h.dtype)
+    logits = product(h, weight.T, dtype)  # [K, V], float32 (or wider)
     V = logits.shape[-1]
     lse = jax.nn.logsumexp(logits, axis=-1)
     picked = jnp.take_along_axis(logits, t[:, None], axis=-1)[:, 0]
@@ -118,7 +121,8 @@ def _ce_chunk(h, weight, t, w, smoothing: float, with_grads: bool, weight_grads:
     labels = (1 - smoothing) * jax.nn.one_hot(t, V) + smoothing / V
     grad_logits = (jnp.exp(logits - lse[:, None]) - labels) * w[:, None]
     grad_logits = grad_logits.astype(h.dtype)
-    return loss, grad_logits @ weight.astype(h.dtype), grad_logits.T @ h if weight_grads else None
+    grad_hidden = product(grad_logits, weight, dtype).astype(h.dtype)
+    return loss, grad_hidden, product(grad_logits.T, h, dtype) if weight_grads else None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))

@@ -4,8 +4,8 @@ the device runs out anyway.
 `estimate` builds the task's model abstractly (`nnx.eval_shape`: shapes, no arrays), so the
 parameter count is exact for every task and checkpoint family. Training holds per device:
 the float32 parameters, their gradients and AdamW's two moments (of the trained parameters
-alone under LoRA; a quarter of each with `train.fsdp=4`), the compute-dtype copy of the
-parameters when that is bfloat16, and the activations that backpropagation keeps. The last is
+alone under LoRA; a quarter of each with `train.fsdp=4`), a bfloat16 copy of the parameters
+when the compute or the products are in bfloat16, and the activations that backpropagation keeps. The last is
 an estimate: per position and layer, the block's inputs, normalized inputs, queries, keys,
 values, attention output and the MLP's hidden units (with `train.remat`, one vector per layer
 and one layer's worth recomputed), for `model.max_len` positions of each device's rows of a
@@ -91,7 +91,8 @@ def estimate(task, featurizer, config: Config, *, training: bool = True) -> Esti
     devices = jax.local_device_count()
     shard = max(train.fsdp, 1)
     compute = 2 if train.compute_dtype == "bfloat16" else 4
-    weights = parameters * 4 / shard + (parameters * compute / shard if compute == 2 else 0)
+    narrow = "bfloat16" in (train.compute_dtype, train.matmul_dtype)
+    weights = parameters * 4 / shard + (parameters * 2 / shard if narrow else 0)
     optimizer = trained * 4 * 3 / shard if training else 0.0
     batch = train.batch_size // train.grad_accum if training else train.eval_batch_size
     rows = max(1, -(-batch // jax.device_count()))

@@ -29,6 +29,7 @@ from core import report as report_lib
 from core.checkpoint import Checkpoints, read_json, write_json, writer_lock
 from core.config import Config, apply_overrides
 from core.errors import UserError
+from core.generate import narrowed
 from core.task import read_predict_options
 from core.train import Steps, build_model, evaluate_arrays, fit, make_steps
 
@@ -346,16 +347,28 @@ class Predictor:
     """
 
     def __init__(
-        self, task_type: type, workdir: str | Path | None = None, data: str | None = None, *, model: str | None = None
+        self,
+        task_type: type,
+        workdir: str | Path | None = None,
+        data: str | None = None,
+        *,
+        model: str | None = None,
+        dtype: str = "float32",
     ):
+        """`dtype` "bfloat16": a generating task decodes with its linear layers' weights in
+        bfloat16 (`core.generate.narrowed`)."""
         if (workdir is None) == (model is None):
             raise UserError("A Predictor reads a trained run (workdir) or a pretrained checkpoint (model): give one.")
+        if dtype not in ("float32", "bfloat16"):
+            raise UserError(f"Decoding weights are float32 or bfloat16, not {dtype!r}.")
+        if dtype != "float32" and not task_type.generates:
+            raise UserError(f"{task_type.name} predicts in float32; bfloat16 weights serve generating tasks only.")
         if model is None:
             self.loaded = load(task_type, workdir, data)
         else:
             self.loaded = load_pretrained(task_type, model, data=data, whole_context=True)
         self.task, self.featurizer = self.loaded.task, self.loaded.featurizer
-        self.model = self.loaded.steps.model(self.loaded.params)
+        self.model = self.loaded.steps.model(narrowed(self.loaded.params, dtype))
 
     def options(self, given: dict[str, Any]) -> dict[str, Any]:
         """Every `predict_options` value by name: the given ones, else the defaults."""
@@ -402,12 +415,13 @@ def predict(
     on_text: Callable[[str], None] | None = None,
     *,
     model: str | None = None,
+    dtype: str = "float32",
 ) -> list[dict[str, str]]:
-    """`Predictor.predict` once (of the run in `workdir` or the checkpoint `model`), with
-    `options` as the command line gives them: the task's `apps predict` flags
-    (`--max-new-tokens`) mapped to their text."""
+    """`Predictor.predict` once (of the run in `workdir` or the checkpoint `model`, its decoding
+    weights in `dtype`), with `options` as the command line gives them: the task's `apps
+    predict` flags (`--max-new-tokens`) mapped to their text."""
     values = read_predict_options(task_type.predict_options, options or {}, task_type.name)
-    return Predictor(task_type, workdir, model=model).predict(lines, on_text, **values)
+    return Predictor(task_type, workdir, model=model, dtype=dtype).predict(lines, on_text, **values)
 
 
 def embed(

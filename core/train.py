@@ -37,6 +37,7 @@ from core.errors import UserError
 from core.hooks import Hooks, KeepBest, Logger, LogLoss, Preemption, SaveCheckpoint, ShowProgress, StepInfo, Window
 from core.optim import optimizer
 from core.task import Task
+from core.transformer import products_in
 
 State = dict[str, Any]
 log = logging.getLogger("apps")
@@ -114,7 +115,7 @@ def make_steps(
     params, frozen = lora.split(nnx.to_pure_dict(params), config.model, type(model).transferred)
     frozen = sharding.place_params(mesh, frozen)
     forward = _forward(graphdef, train.compute_dtype)
-    eval_step = _Bound(jax.jit(_eval_step(task, forward)), frozen)
+    eval_step = _Bound(jax.jit(_in_products(_eval_step(task, forward), train.matmul_dtype)), frozen)
 
     if not training:
         state = sharding.place_params(mesh, {"params": params})
@@ -125,7 +126,7 @@ def make_steps(
     state = {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
     state = sharding.place_params(mesh, state)
     state_sharding = jax.tree.map(lambda x: x.sharding, state)
-    train_step = _train_step(task, forward, tx, train)
+    train_step = _in_products(_train_step(task, forward, tx, train), train.matmul_dtype)
     batch_sharding = sharding.batch_sharding(mesh)
     jitted = jax.jit(
         train_step,
@@ -144,6 +145,17 @@ def _forward(graphdef: Any, compute_dtype: str) -> Callable:
         return model(batch, dropout_key=key)
 
     return forward
+
+
+def _in_products(step: Callable, dtype: str) -> Callable:
+    """`step` with its products in `dtype` (`products_in`), entered where jit traces it."""
+
+    @functools.wraps(step)
+    def in_products(*args):
+        with products_in(dtype):
+            return step(*args)
+
+    return in_products
 
 
 def _eval_step(task: Task, forward: Callable) -> Callable:

@@ -26,6 +26,8 @@ values of the memory once; they ride in the cache (`Cache.memory`) beside the de
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
 from typing import ClassVar
@@ -106,36 +108,53 @@ def product(a: jax.Array, b: jax.Array, dtype) -> jax.Array:
     return jnp.matmul(padded, b, preferred_element_type=jnp.float32)[0].reshape(*a.shape[:-1], b.shape[-1])
 
 
+# The dtype that products run in where it is narrower than their operands (`products_in`).
+_PRODUCTS: contextvars.ContextVar = contextvars.ContextVar("products", default="float32")
+
+
+@contextlib.contextmanager
+def products_in(dtype):
+    """Within it, the core's products (`matmul`, and the output layer's in `core.losses`) run in
+    `dtype` where that is narrower than their operands: "bfloat16" gives float32 training bfloat16
+    products with float32 sums and results (mixed precision; `train.matmul_dtype`). Read when a
+    function is traced, as `jax.default_matmul_precision` is: enter it inside the jitted step."""
+    token = _PRODUCTS.set(dtype)
+    try:
+        yield
+    finally:
+        _PRODUCTS.reset(token)
+
+
 def narrower(*dtypes) -> jnp.dtype:
-    """The float of fewest bytes among `dtypes`: the dtype a product of such operands runs in."""
-    return min((jnp.dtype(d) for d in dtypes), key=lambda d: d.itemsize)
+    """The float of fewest bytes among `dtypes` and that of `products_in`: the dtype a product of
+    such operands runs in."""
+    return min((jnp.dtype(d) for d in (*dtypes, _PRODUCTS.get())), key=lambda d: d.itemsize)
 
 
-@jax.custom_vjp
 def matmul(x: jax.Array, kernel: jax.Array) -> jax.Array:
     """x [..., I] @ kernel [I, O] -> x's dtype, multiplied in the dtype of fewer bytes of the
-    two (`product`: bfloat16 weights with float32 activations multiply in bfloat16), with a
-    weight gradient that transposes the narrower operand (in shape).
-
-    The weight gradient x^T @ g contracts over tokens; XLA on CPU hands its matmul one operand
-    transposed in memory, and by default picks g, fusing that strided write into whatever
-    produced g (the GELU backward, for one). Written as (g^T @ x)^T when O > I, the copy falls on
-    x, the narrower of the two, and the producer of g writes in order.
-    """
-    return _multiply(x, kernel)
+    two and of `products_in` (`product`: bfloat16 weights with float32 activations multiply in
+    bfloat16), with a weight gradient that transposes the narrower operand (in shape)."""
+    return _matmul(x, kernel, narrower(x.dtype, kernel.dtype))
 
 
-def _multiply(x, kernel):
-    return product(x, kernel, narrower(x.dtype, kernel.dtype)).astype(x.dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _matmul(x: jax.Array, kernel: jax.Array, dtype) -> jax.Array:
+    """`matmul` in `dtype`. The weight gradient x^T @ g contracts over tokens; XLA on CPU hands
+    its matmul one operand transposed in memory, and by default picks g, fusing that strided
+    write into whatever produced g (the GELU backward, for one). Written as (g^T @ x)^T when
+    O > I, the copy falls on x, the narrower of the two, and the producer of g writes in order.
+    Both gradients come out of float32 sums in their operand's dtype: float32 weights trained
+    with bfloat16 products get their gradient unrounded."""
+    return product(x, kernel, dtype).astype(x.dtype)
 
 
-def _matmul_forward(x, kernel):
-    return _multiply(x, kernel), (x, kernel)
+def _matmul_forward(x, kernel, dtype):
+    return _matmul(x, kernel, dtype), (x, kernel)
 
 
-def _matmul_backward(residuals, g):
+def _matmul_backward(dtype, residuals, g):
     x, kernel = residuals
-    dtype = narrower(x.dtype, kernel.dtype)
     inputs, outputs = kernel.shape
     flat_x, flat_g = x.reshape(-1, inputs), g.reshape(-1, outputs)
     if outputs > inputs:
@@ -145,7 +164,7 @@ def _matmul_backward(residuals, g):
     return product(g, kernel.T, dtype).astype(x.dtype), grad_kernel.astype(kernel.dtype)
 
 
-matmul.defvjp(_matmul_forward, _matmul_backward)
+_matmul.defvjp(_matmul_forward, _matmul_backward)
 
 
 class Dense(nnx.Module):

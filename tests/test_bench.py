@@ -20,7 +20,8 @@ def test_a_pretrained_decoders_decode_and_finetune_speed(tmp_path):
     assert result.exit_code == 0, result.output
     figures = json.loads((tmp_path / "bench.json").read_text())
     assert [(r["batch_size"], r["dtype"]) for r in figures["decode"]] == list(bench.PRETRAINED_DECODE)
-    assert [r["lora_rank"] for r in figures["finetune"]] == [0, bench.LORA_RANK]
+    runs = [(r["lora_rank"], r["products"]) for r in figures["finetune"]]
+    assert runs == [(0, "float32"), (0, "bfloat16"), (bench.LORA_RANK, "float32"), (bench.LORA_RANK, "bfloat16")]
     assert all(r["tokens_per_s"] > 0 for r in figures["finetune"])
     assert "finetune" in apps("bench", "nonsense", "--model", tiny).output
 

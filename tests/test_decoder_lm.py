@@ -8,9 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import apps, plain
+from flax import nnx
 from flax.traverse_util import flatten_dict
 from tiny_gguf import CHATML, write_tiny_gguf
 
+import tasks
 from core import generate, lora, pretrained, run
 from core.errors import UserError
 from tasks.common import chat
@@ -94,6 +96,26 @@ def test_predict_with_a_checkpoint_chats_and_streams(tiny):
     assert model.generate(["the"], streamed.append, chat=True, max_new_tokens=6, temperature=0) == [answers[0]]
     assert "".join(streamed) == answers[0]
     assert answers[0] in result.output
+
+
+def test_bfloat16_decoding_weights_narrow_the_linear_layers_alone(tiny):
+    """`--dtype bfloat16` (`Predictor(dtype=)`): the linear layers' kernels in bfloat16, the
+    embeddings and norms in float32, decoding as `generate` does on the narrowed model."""
+    narrow = LanguageModel(model=str(tiny), dtype="bfloat16").model
+    dtypes = {path: leaf.dtype for path, leaf in flatten_dict(nnx.to_pure_dict(nnx.state(narrow))).items()}
+    assert {dtype for path, dtype in dtypes.items() if path[-1] == "kernel"} == {jnp.dtype(jnp.bfloat16)}
+    assert {dtype for path, dtype in dtypes.items() if path[-1] != "kernel"} == {jnp.dtype(jnp.float32)}
+    graphdef, params = nnx.split(LanguageModel(model=str(tiny)).model)
+    expected = generate.generate(
+        nnx.merge(graphdef, generate.narrowed(params, "bfloat16")), [[2, 67, 68]], max_new_tokens=6
+    )
+    np.testing.assert_array_equal(generate.generate(narrow, [[2, 67, 68]], max_new_tokens=6).tokens, expected.tokens)
+    result = apps("predict", "lm", "--model", tiny, "--dtype", "bfloat16", "the", "--max-new-tokens", 4)
+    assert result.exit_code == 0, result.output
+    result = apps("predict", "lm", "--model", tiny, "--dtype", "float16", "the")
+    assert result.exit_code == 1 and "float32 or bfloat16, not 'float16'" in plain(result.output)
+    with pytest.raises(UserError, match="sentiment predicts in float32"):
+        run.Predictor(tasks.get("sentiment"), model=str(tiny), dtype="bfloat16")
 
 
 def test_any_checkpoint_loads_where_the_shipped_ones_are_not_installed(tiny, monkeypatch):

@@ -72,6 +72,37 @@ def test_linear_cross_entropy_in_bfloat16_gives_bfloat16_gradients_of_the_float3
         np.testing.assert_allclose(np.asarray(a, np.float32), b, atol=3e-2, rtol=3e-2)
 
 
+def test_linear_cross_entropy_with_bfloat16_products_is_the_float32_form_of_rounded_operands():
+    """Under `products_in("bfloat16")` float32 hidden states and table multiply as their bfloat16
+    roundings with float32 sums: the loss is the float32 loss of the rounded operands, and the
+    gradients stay float32."""
+    from core.transformer import products_in
+
+    rng = np.random.default_rng(4)
+    hidden = jnp.asarray(rng.standard_normal((2, 9, 8), np.float32))
+    weight = jnp.asarray(rng.standard_normal((40, 8), np.float32))
+    targets = jnp.asarray(rng.integers(0, 40, (2, 9)))
+    weights = jnp.asarray(rng.random((2, 9)) < 0.6)
+
+    def fused(h, w):
+        return losses.linear_cross_entropy(h, w, targets, weights, 0.1, chunk=4)[0]
+
+    def plain(h, w):
+        return losses.cross_entropy(jnp.einsum("BTD,VD->BTV", h, w), targets, weights, 0.1)[0]
+
+    def rounded(a):
+        return a.astype(jnp.bfloat16).astype(jnp.float32)
+
+    with products_in("bfloat16"):
+        loss = jax.jit(fused)(hidden, weight)
+        grads = jax.jit(jax.grad(fused, (0, 1)))(hidden, weight)
+    np.testing.assert_allclose(loss, plain(rounded(hidden), rounded(weight)), rtol=1e-6)
+    assert abs(float(loss) - float(plain(hidden, weight))) > 1e-5  # the rounding is there to see
+    for a, b in zip(grads, jax.grad(plain, (0, 1))(rounded(hidden), rounded(weight))):
+        assert a.dtype == jnp.float32
+        np.testing.assert_allclose(a, b, atol=2e-2, rtol=2e-2)  # the softmax's gradient is rounded too
+
+
 def test_projection_predictions_are_the_argmax_of_its_logits_chunk_by_chunk():
     rng = np.random.default_rng(2)
     projection = Projection(

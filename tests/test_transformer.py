@@ -146,6 +146,36 @@ def test_matmul_gradients_are_plain_autodiff(inputs, outputs, dtype):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=tolerance, atol=tolerance)
 
 
+def test_products_in_bfloat16_multiply_float32_weights_rounded_and_give_unrounded_float32_gradients():
+    """Mixed precision (`train.matmul_dtype=bfloat16`): float32 activations and weights multiply
+    as their bfloat16 roundings with float32 sums, exactly (products of bfloat16 values are exact
+    in float32); both gradients are float32 and unrounded: the float32 sums of rounded operands."""
+    from core.transformer import matmul, products_in
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((3, 5, 24)), jnp.float32)
+    kernel = jnp.asarray(rng.standard_normal((24, 40)), jnp.float32)
+    g = jnp.asarray(rng.standard_normal((3, 5, 40)), jnp.float32)
+
+    def rounded(a):
+        return a.astype(jnp.bfloat16).astype(jnp.float32)
+
+    def loss(x, k, g):  # g an argument, as in a step: XLA:CPU has no bfloat16 dot of a constant's transpose
+        return (matmul(x, k) * g).sum()
+
+    with products_in("bfloat16"):
+        got = jax.jit(lambda x, k: matmul(x, k))(x, kernel)
+        grad_x, grad_kernel = jax.jit(jax.grad(loss, (0, 1)))(x, kernel, g)
+    np.testing.assert_allclose(got, rounded(x) @ rounded(kernel), rtol=1e-6, atol=1e-5)
+    assert not np.allclose(got, x @ kernel, rtol=1e-6, atol=1e-5)  # the rounding is there to see
+    assert grad_x.dtype == grad_kernel.dtype == jnp.float32
+    np.testing.assert_allclose(grad_x, rounded(g) @ rounded(kernel).T, rtol=1e-6, atol=1e-5)
+    flat = rounded(x).reshape(-1, 24).T @ rounded(g).reshape(-1, 40)
+    np.testing.assert_allclose(grad_kernel, flat, rtol=1e-6, atol=1e-5)
+    # Outside the context (and once it is left) products are float32 again.
+    np.testing.assert_allclose(matmul(x, kernel), x @ kernel, rtol=1e-6)
+
+
 @pytest.mark.parametrize("rows", [1, 2, 5])
 def test_bfloat16_weights_multiply_in_bfloat16_with_float32_sums(rows):
     """A bfloat16 kernel under float32 activations (decoding weights, `core.generate.narrowed`):

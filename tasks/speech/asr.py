@@ -458,10 +458,11 @@ class Transcriber(Predictor):
     from tasks.speech.asr import Transcriber
     Transcriber("runs/speech").transcribe(["a.wav", "b.flac"], beam_width=8)  # [transcript]
     Transcriber(model="whisper-tiny.en").transcribe([samples_16khz, "c.wav"], beam_width=1)
+    Transcriber(model="whisper-base", dtype="bfloat16")  # its linear layers' weights in bfloat16
     """
 
-    def __init__(self, workdir: str | Path | None = None, *, model: str | None = None):
-        super().__init__(SpeechTask, workdir, model=model)
+    def __init__(self, workdir: str | Path | None = None, *, model: str | None = None, dtype: str = "float32"):
+        super().__init__(SpeechTask, workdir, model=model, dtype=dtype)
 
     def transcribe(self, clips: Sequence[str | Path | np.ndarray], beam_width: int = 8) -> list[str]:
         """The transcript of each clip: an audio file, or samples at 16 kHz: floats in [-1, 1],

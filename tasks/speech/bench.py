@@ -27,6 +27,7 @@ from tasks.speech.whisper import transcribe
 
 CLIPS = 8
 JOINED = 6  # utterances in a long clip
+DTYPES = ("float32", "bfloat16")  # the weights of the linear layers
 
 
 def clip_sets() -> dict[str, list[np.ndarray]]:
@@ -39,27 +40,30 @@ def clip_sets() -> dict[str, list[np.ndarray]]:
 def transcription(name: str, console: Console) -> list[dict]:
     from tasks.speech.asr import Transcriber
 
-    transcriber = Transcriber(model=name)
-    featurizer = transcriber.featurizer
+    transcribers = {dtype: Transcriber(model=name, dtype=dtype) for dtype in DTYPES}
+    featurizer = transcribers["float32"].featurizer
     start = featurizer.decoding()
     table = figures(
         title=f"{name}: greedy transcription, real-time factor (wall s per audio s, compiled)",
         caption="batch 1: a call per clip; batch 8: one call; greedy, no temperature fallback. "
-        "Whisper reads a 30 s window per clip.",
-        columns=("clips", "audio s", "batch", "RTF", "wall s"),
+        "Whisper reads a 30 s window per clip. bfloat16: the linear layers' weights in bfloat16, "
+        "multiplied with float32 sums (core.generate.narrowed); activations, embeddings and caches in float32.",
+        columns=("clips", "audio s", "weights", "batch", "RTF", "wall s"),
     )
     results = []
     for kind, clips in clip_sets().items():
         examples = [{"id": None, "audio": c, "where": f"{kind} clip {i}", "text": ""} for i, c in enumerate(clips)]
         seconds = sum(len(c) for c in clips) / SAMPLE_RATE
-        for batch in (1, 8):
-            transcribe(transcriber.model, featurizer, examples[:batch], start, 1, batch, fallback=False)  # compiles
-            began = time.perf_counter()
-            transcribe(transcriber.model, featurizer, examples, start, 1, batch, fallback=False)
-            wall = time.perf_counter() - began
-            results.append(
-                {"model": name, "clips": kind, "audio_s": seconds, "batch_size": batch, "rtf": wall / seconds}
-            )
-            table.add_row(kind, f"{seconds:.1f}", str(batch), f"{wall / seconds:.3f}", f"{wall:.1f}")
+        for dtype, transcriber in transcribers.items():
+            for batch in (1, 8):
+                transcribe(transcriber.model, featurizer, examples[:batch], start, 1, batch, fallback=False)  # compiles
+                began = time.perf_counter()
+                transcribe(transcriber.model, featurizer, examples, start, 1, batch, fallback=False)
+                wall = time.perf_counter() - began
+                results.append(
+                    {"model": name, "clips": kind, "audio_s": seconds, "dtype": dtype, "batch_size": batch}
+                    | {"rtf": wall / seconds}
+                )
+                table.add_row(kind, f"{seconds:.1f}", dtype, str(batch), f"{wall / seconds:.3f}", f"{wall:.1f}")
     console.print(table)
     return results
