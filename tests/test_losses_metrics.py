@@ -50,14 +50,14 @@ def test_linear_cross_entropy_matches_plain_form_and_gradients(chunk, smoothing,
         np.testing.assert_allclose(a, b, atol=1e-5)
 
 
-def test_linear_cross_entropy_in_bfloat16_gives_bfloat16_gradients_of_the_float32_form():
-    """Under bf16 compute the custom backward hands back each input's own dtype, close to the
-    float32 form's gradients (the fused loss forms its logits in float32)."""
-    rng = np.random.default_rng(3)
+def smoothed_losses(seed: int, counted: float):
+    """Random hidden states [2, 9, 8] and table [40, 8], and two losses of them with label
+    smoothing 0.1 over the same targets and weights: (hidden, weight, fused, plain)."""
+    rng = np.random.default_rng(seed)
     hidden = jnp.asarray(rng.standard_normal((2, 9, 8), np.float32))
     weight = jnp.asarray(rng.standard_normal((40, 8), np.float32))
     targets = jnp.asarray(rng.integers(0, 40, (2, 9)))
-    weights = jnp.asarray(rng.random((2, 9)) < 0.5)
+    weights = jnp.asarray(rng.random((2, 9)) < counted)
 
     def fused(h, w):
         return losses.linear_cross_entropy(h, w, targets, weights, 0.1, chunk=4)[0]
@@ -65,6 +65,13 @@ def test_linear_cross_entropy_in_bfloat16_gives_bfloat16_gradients_of_the_float3
     def plain(h, w):
         return losses.cross_entropy(jnp.einsum("BTD,VD->BTV", h, w), targets, weights, 0.1)[0]
 
+    return hidden, weight, fused, plain
+
+
+def test_linear_cross_entropy_in_bfloat16_gives_bfloat16_gradients_of_the_float32_form():
+    """Under bf16 compute the custom backward hands back each input's own dtype, close to the
+    float32 form's gradients (the fused loss forms its logits in float32)."""
+    hidden, weight, fused, plain = smoothed_losses(seed=3, counted=0.5)
     low = (hidden.astype(jnp.bfloat16), weight.astype(jnp.bfloat16))
     np.testing.assert_allclose(fused(*low), plain(hidden, weight), rtol=2e-2)
     for a, b in zip(jax.grad(fused, (0, 1))(*low), jax.grad(plain, (0, 1))(hidden, weight)):
@@ -78,17 +85,7 @@ def test_linear_cross_entropy_with_bfloat16_products_is_the_float32_form_of_roun
     gradients stay float32."""
     from core.transformer import products_in
 
-    rng = np.random.default_rng(4)
-    hidden = jnp.asarray(rng.standard_normal((2, 9, 8), np.float32))
-    weight = jnp.asarray(rng.standard_normal((40, 8), np.float32))
-    targets = jnp.asarray(rng.integers(0, 40, (2, 9)))
-    weights = jnp.asarray(rng.random((2, 9)) < 0.6)
-
-    def fused(h, w):
-        return losses.linear_cross_entropy(h, w, targets, weights, 0.1, chunk=4)[0]
-
-    def plain(h, w):
-        return losses.cross_entropy(jnp.einsum("BTD,VD->BTV", h, w), targets, weights, 0.1)[0]
+    hidden, weight, fused, plain = smoothed_losses(seed=4, counted=0.6)
 
     def rounded(a):
         return a.astype(jnp.bfloat16).astype(jnp.float32)

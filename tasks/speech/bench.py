@@ -17,9 +17,11 @@ from __future__ import annotations
 import time
 
 import numpy as np
+from flax import nnx
 from rich.console import Console
 
 from core.bench import figures
+from core.generate import narrowed
 from tasks.speech import corpus
 from tasks.speech.audio import SAMPLE_RATE
 from tasks.speech.featurizer import clip
@@ -40,8 +42,10 @@ def clip_sets() -> dict[str, list[np.ndarray]]:
 def transcription(name: str, console: Console) -> list[dict]:
     from tasks.speech.asr import Transcriber
 
-    transcribers = {dtype: Transcriber(model=name, dtype=dtype) for dtype in DTYPES}
-    featurizer = transcribers["float32"].featurizer
+    transcriber = Transcriber(model=name)
+    featurizer = transcriber.featurizer
+    graphdef, params = nnx.split(transcriber.model)  # the checkpoint read once, its weights narrowed per row
+    models = {dtype: nnx.merge(graphdef, narrowed(params, dtype)) for dtype in DTYPES}
     start = featurizer.decoding()
     table = figures(
         title=f"{name}: greedy transcription, real-time factor (wall s per audio s, compiled)",
@@ -54,11 +58,11 @@ def transcription(name: str, console: Console) -> list[dict]:
     for kind, clips in clip_sets().items():
         examples = [{"id": None, "audio": c, "where": f"{kind} clip {i}", "text": ""} for i, c in enumerate(clips)]
         seconds = sum(len(c) for c in clips) / SAMPLE_RATE
-        for dtype, transcriber in transcribers.items():
+        for dtype, model in models.items():
             for batch in (1, 8):
-                transcribe(transcriber.model, featurizer, examples[:batch], start, 1, batch, fallback=False)  # compiles
+                transcribe(model, featurizer, examples[:batch], start, 1, batch, fallback=False)  # compiles
                 began = time.perf_counter()
-                transcribe(transcriber.model, featurizer, examples, start, 1, batch, fallback=False)
+                transcribe(model, featurizer, examples, start, 1, batch, fallback=False)
                 wall = time.perf_counter() - began
                 results.append(
                     {"model": name, "clips": kind, "audio_s": seconds, "dtype": dtype, "batch_size": batch}
