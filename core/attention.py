@@ -100,10 +100,19 @@ def _blocks(length: int, causal: bool) -> list[tuple[int, int]]:
     return [(start, min(start + size, length)) for start in range(0, length, size)]
 
 
+def _product(spec: str, a, b):
+    """jnp.einsum(spec, a, b) with float32 results, multiplied in the narrower dtype of the
+    operands and of `core.transformer.products_in`."""
+    from core.transformer import narrower
+
+    dtype = narrower(a.dtype, b.dtype)
+    return jnp.einsum(spec, a.astype(dtype), b.astype(dtype), preferred_element_type=jnp.float32)
+
+
 def _probabilities(q, k, mask, start: int, stop: int, causal: bool, window: int | None = None, segments=None):
     """Softmax over keys [0, S) of q [B, K, G * Tq, H], the queries at positions [start, stop) of
     the G heads that share each key head, stacked: [B, K, G * Tq, S] in float32."""
-    scores = jnp.einsum("BKTH,BKSH->BKTS", q, k, preferred_element_type=jnp.float32) * q.shape[-1] ** -0.5
+    scores = _product("BKTH,BKSH->BKTS", q, k) * q.shape[-1] ** -0.5
     visible = mask[:, None, None, : k.shape[2]]
     if segments is not None:
         same = segments[:, start:stop, None] == segments[:, None, : k.shape[2]]  # [B, Tq, S]
@@ -150,7 +159,7 @@ def _forward(q, k, v, mask, causal, window=None, segments=None):
             _stacked(qt[:, :, start:stop], heads), kt[:, :, :keys], mask, start, stop, causal, window, segments
         )
         probabilities.append(p)
-        block = jnp.einsum("BKTS,BKSH->BKTH", p.astype(v.dtype), vt[:, :, :keys])
+        block = _product("BKTS,BKSH->BKTH", p.astype(v.dtype), vt[:, :, :keys]).astype(v.dtype)
         outputs.append(_unstacked(block, qt.shape[1]))
     output = jnp.concatenate(outputs, axis=2).transpose(0, 2, 1, 3)
     return output, (qt, kt, vt, mask, segments, probabilities)
@@ -166,17 +175,13 @@ def _backward(causal, window, residuals, grad_out):
         keys = stop if causal else kt.shape[2]
         g = _stacked(gt[:, :, start:stop], heads)
         # Contracting over the stacked rows sums the gradients of the G heads that share a key.
-        grad_v = grad_v.at[:, :, :keys].add(
-            jnp.einsum("BKTS,BKTH->BKSH", p.astype(g.dtype), g, preferred_element_type=jnp.float32)
-        )
-        grad_p = jnp.einsum("BKTH,BKSH->BKTS", g, vt[:, :, :keys], preferred_element_type=jnp.float32)
+        grad_v = grad_v.at[:, :, :keys].add(_product("BKTS,BKTH->BKSH", p.astype(g.dtype), g))
+        grad_p = _product("BKTH,BKSH->BKTS", g, vt[:, :, :keys])
         # Softmax backward: dS = P * (dP - rowsum(dP * P)), folded with the 1/sqrt(H) scale.
         grad_s = (p * (grad_p - (grad_p * p).sum(-1, keepdims=True)) * scale).astype(qt.dtype)
-        grad_q.append(_unstacked(jnp.einsum("BKTS,BKSH->BKTH", grad_s, kt[:, :, :keys]), qt.shape[1]))
+        grad_q.append(_unstacked(_product("BKTS,BKSH->BKTH", grad_s, kt[:, :, :keys]).astype(qt.dtype), qt.shape[1]))
         queries = _stacked(qt[:, :, start:stop], heads)
-        grad_k = grad_k.at[:, :, :keys].add(
-            jnp.einsum("BKTS,BKTH->BKSH", grad_s, queries, preferred_element_type=jnp.float32)
-        )
+        grad_k = grad_k.at[:, :, :keys].add(_product("BKTS,BKTH->BKSH", grad_s, queries))
     grad_q = jnp.concatenate(grad_q, axis=2)
     grad_q, grad_k, grad_v = _heads_first(grad_q, grad_k.astype(kt.dtype), grad_v.astype(vt.dtype))
     return grad_q, grad_k, grad_v, None, None

@@ -250,7 +250,7 @@ class TrainConfig:
     seed: int = 0
     grad_accum: int = 1
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
-    # The dtype of the linear layers' and the output layer's products (`core.transformer.products_in`):
+    # The dtype of the linear layers', the attention's and the output layer's products (`core.transformer.products_in`):
     # "bfloat16" multiplies float32 activations and weights in bfloat16 with float32 sums.
     matmul_dtype: Literal["float32", "bfloat16"] = "float32"
     remat: bool = False

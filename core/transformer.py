@@ -130,7 +130,8 @@ _PRODUCTS: contextvars.ContextVar = contextvars.ContextVar("products", default="
 
 @contextlib.contextmanager
 def products_in(dtype):
-    """Within it, the core's products (`matmul`, and the output layer's in `core.losses`) run in
+    """Within it, the core's products (`matmul`, the blockwise attention's in `core.attention`,
+    and the output layer's in `core.losses`; not a classifier head's small ones) run in
     `dtype` where that is narrower than their operands: "bfloat16" gives float32 training bfloat16
     products with float32 sums and results (mixed precision; `train.matmul_dtype`). Read when a
     function is traced, as `jax.default_matmul_precision` is: enter it inside the jitted step."""

@@ -1,6 +1,8 @@
 """The blockwise attention kernel equals `jax.nn.dot_product_attention`, values and gradients,
 with grouped-query heads too; the cuDNN path gets lengths that mean the padding mask."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -53,6 +55,33 @@ def test_blockwise_in_bfloat16_gives_bfloat16_gradients_of_the_float32_form(caus
     for a, b in zip(jax.grad(loss("blockwise"), (0, 1, 2))(*low), jax.grad(loss("xla"), (0, 1, 2))(q, k, v)):
         assert a.dtype == jnp.bfloat16
         np.testing.assert_allclose(np.asarray(a, np.float32), b, atol=0.1, rtol=0.05)
+
+
+def test_blockwise_with_bfloat16_products_multiplies_rounded_float32_operands():
+    """Under `products_in("bfloat16")` (mixed precision) the blockwise kernel's six products take
+    bfloat16 operands with float32 results; values and gradients stay float32 and follow the
+    float32 kernel within bfloat16 rounding, and differ from it."""
+    from core.transformer import products_in
+
+    rng = np.random.default_rng(8)
+    q, k, v, cotangent = (jnp.asarray(rng.standard_normal((2, 96, 2, 8), np.float32)) for _ in range(4))
+    mask = jnp.ones((2, 96), bool)
+
+    def loss(q, k, v):
+        return (attention(q, k, v, mask, causal=True, implementation="blockwise") * cotangent).sum()
+
+    step = jax.value_and_grad(loss, (0, 1, 2))
+    exact = step(q, k, v)
+    with products_in("bfloat16"):
+        mixed = jax.jit(step)(q, k, v)
+        program = jax.jit(step).lower(q, k, v).as_text()
+    dots = re.findall(r"dot_general.*: \((tensor<[^)]*)\) -> (tensor<[^>]*>)", program)
+    assert len(dots) == 6 * 2  # two forward and four backward products in each query block (two of 64)
+    assert all(operands.count("bf16") == 2 and "f32" in result for operands, result in dots)
+    for a, b in zip(jax.tree.leaves(mixed), jax.tree.leaves(exact)):
+        assert a.dtype == jnp.float32
+        np.testing.assert_allclose(a, b, atol=0.05, rtol=0.05)
+        assert not np.allclose(a, b, atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize("causal", [False, True])
