@@ -15,6 +15,12 @@ it. So it is applied where the suite owns the process: the `apps` CLI, before JA
 `core.run.train`. It works fully only before JAX starts its thread pools (arenas already handed
 to threads stay theirs): a Python program that wants the whole gain calls it first thing.
 `APPS_KEEP_FREED_MEMORY=0` turns it off. Elsewhere than glibc it does nothing.
+
+A heap that never shrinks suits a run whose arenas are a small part of the machine. Gemma 3's
+fine-tuning presets, whose memory estimate is 6 GB, grew it past this machine's 24 GB in
+fragments (and were killed for it), where with the default settings they peak at some 11 GB.
+`give_back_freed_memory` restores glibc's mapping and trimming for the rest of the process:
+`core.run.train` calls it when a run's estimate is over a quarter of the memory available.
 """
 
 from __future__ import annotations
@@ -28,18 +34,47 @@ import sys
 M_TRIM_THRESHOLD = -1
 M_MMAP_MAX = -4
 M_ARENA_MAX = -8
+# glibc's defaults for the two that `give_back_freed_memory` restores.
+DEFAULT_MMAP_MAX = 65536
+DEFAULT_TRIM_THRESHOLD = 128 * 1024
+
+_kept = False  # whether keep_freed_memory took effect (and was not given back since)
+
+
+def _libc():
+    """glibc with `mallopt` typed, or None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt.argtypes, libc.mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+        libc.malloc_trim.argtypes, libc.malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
+    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
+        return None
+    return libc
 
 
 def keep_freed_memory() -> bool:
     """Tune glibc malloc as described above; True when the settings took effect."""
-    if os.environ.get("APPS_KEEP_FREED_MEMORY", "1") == "0" or not sys.platform.startswith("linux"):
+    global _kept
+    libc = None if os.environ.get("APPS_KEEP_FREED_MEMORY", "1") == "0" else _libc()
+    if libc is None:
         return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
-        return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     # mallopt takes an int and glibc converts it to size_t: -1 is an unlimited trim threshold.
     settings = ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, -1))
-    return all(mallopt(param, value) == 1 for param, value in settings)
+    _kept = all(libc.mallopt(param, value) == 1 for param, value in settings)
+    return _kept
+
+
+def give_back_freed_memory() -> bool:
+    """Undo `keep_freed_memory` (but its single arena) from here on: large blocks are mapped
+    afresh and unmapped when freed, and the heap's free pages go back to the system now. True
+    when there was something to undo."""
+    global _kept
+    libc = _libc() if _kept else None
+    if libc is None:
+        return False
+    settings = ((M_MMAP_MAX, DEFAULT_MMAP_MAX), (M_TRIM_THRESHOLD, DEFAULT_TRIM_THRESHOLD))
+    _kept = not all(libc.mallopt(param, value) == 1 for param, value in settings)
+    libc.malloc_trim(0)
+    return not _kept

@@ -104,7 +104,12 @@ def _train(task, workdir: Path, console: Console) -> dict[str, float]:
     # The featurizer's barrier is the first collective; `fit` names the checkpoint to resume from.
     with sharding.lost_peers(lambda: f"Restart all {jax.process_count()} processes with the same command."):
         featurizer = _featurizer(task, train_examples, workdir)
-    console.print(f"{task.name}: {memory.check(task, featurizer, config).describe()}.")
+    estimate = memory.check(task, featurizer, config)
+    console.print(f"{task.name}: {estimate.describe()}.")
+    # A heap that never shrinks fragments past the machine under a large run (core/host.py).
+    large = estimate.where == "host" and estimate.available and estimate.needed > estimate.available / 4
+    if large and host.give_back_freed_memory():
+        console.print(f"{task.name}: over a quarter of the host's memory: freed memory goes back to the system.")
     if jax.process_index() == 0 and not config_path.exists():
         write_json(workdir / DATA_RECORD, _data_record(task.data))
         write_json(config_path, config.to_dict())

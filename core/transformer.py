@@ -206,7 +206,7 @@ class Dense(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         y = matmul(x, self.kernel[...])
         if self.lora_a is not None:
-            y = y + (x @ self.lora_a[...].astype(x.dtype)) @ (self.lora_b[...] * self.lora_scale).astype(x.dtype)
+            y = y + matmul(matmul(x, self.lora_a[...]), self.lora_b[...] * self.lora_scale)
         if self.bias is not None:
             y = y + self.bias[...].astype(x.dtype).reshape((1,) * (y.ndim - 1) + (-1,))
         return y
