@@ -18,7 +18,7 @@ to threads stay theirs): a Python program that wants the whole gain calls it fir
 
 A heap that never shrinks suits a run whose arenas are a small part of the machine. Gemma 3's
 fine-tuning presets, whose memory estimate is 6 GB, grew it past this machine's 24 GB in
-fragments (and were killed for it), where with the default settings they peak at some 11 GB.
+fragments (and were killed for it), where with glibc's own settings they peak at some 13 GB.
 `give_back_freed_memory` restores glibc's mapping and trimming for the rest of the process:
 `core.run.train` calls it when a run's estimate is over a quarter of the memory available.
 """
