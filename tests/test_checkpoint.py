@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from conftest import logged_losses
 
-from core import hooks as hooks_lib
 from core import run
-from core.checkpoint import Checkpoints
+from core.training import hooks as hooks_lib
+from core.training.checkpoints import Checkpoints
 from tasks.nlp.sentiment import SentimentTask
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -139,8 +139,8 @@ def test_one_writer_per_workdir_and_a_dead_writers_lock_is_taken_over(tmp_path, 
     """A second `apps train` into a workdir that a live process trains stops, naming it; once
     that process is killed (no clean exit), the next run takes the lock over and says so; a
     clean exit leaves the lock free and unnamed."""
-    from core.checkpoint import writer_lock
     from core.errors import UserError
+    from core.training.checkpoints import writer_lock
 
     workdir = tmp_path / "run"
     command = [sys.executable, "-m", "cli", "train", "sentiment", "--preset", "tiny", "--data", "synthetic"]

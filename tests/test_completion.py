@@ -12,9 +12,9 @@ from flax import nnx
 from tiny_gguf import write_tiny_gguf
 
 from core.errors import UserError
-from core.generate import generate
+from core.generation.generate import generate
 from core.run import load, make_config
-from core.train import build_model
+from core.training.steps import build_model
 from tasks.common.tokenizer import PretrainedTokenizer
 from tasks.nlp.completion import CompletionFeaturizer
 from tasks.nlp.translate import TranslateTask

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 import tasks
-from core import data as data_lib
 from core import metrics as metric_lib
-from core import sharding
 from core.config import Config, apply_overrides
-from core.train import build_model, make_steps
+from core.training import data as data_lib
+from core.training import sharding
+from core.training.steps import build_model, make_steps
 
 NAMES = sorted(tasks.REGISTRY)
 

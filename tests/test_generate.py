@@ -8,13 +8,22 @@ import pytest
 from conftest import TINY_BODY
 from flax import nnx
 
-from core.beam import beam_search, gnmt_penalty
 from core.config import ModelConfig
 from core.errors import UserError
-from core.generate import Sampling, beam_settings, extend, filter_logits, generate, generate_beams, prefill, sample
-from core.heads import TiedOutput, TokenEmbedder
-from core.penalties import repeats
-from core.transformer import Model, Transformer
+from core.generation.beam import beam_search, gnmt_penalty
+from core.generation.generate import (
+    Sampling,
+    beam_settings,
+    extend,
+    filter_logits,
+    generate,
+    generate_beams,
+    prefill,
+    sample,
+)
+from core.generation.penalties import repeats
+from core.model.heads import TiedOutput, TokenEmbedder
+from core.model.transformer import Model, Transformer
 
 VOCAB = 50
 PROMPTS = [[3, 14, 15], [9, 2, 6, 5, 35, 8, 9], [27]]

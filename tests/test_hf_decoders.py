@@ -1,4 +1,4 @@
-"""Hugging Face decoder folders (core/hf_decoders.py): tiny Llama, Qwen2 and Gemma 3 models with
+"""Hugging Face decoder folders (core/checkpoints/hf_decoders.py): tiny Llama, Qwen2 and Gemma 3 models with
 random weights saved by transformers, and their logits there (tests/fixtures/hf_decoders/,
 made by make_hf_decoders.py in that folder), read into the core's Transformer."""
 
@@ -11,7 +11,7 @@ import pytest
 from conftest import pretrained_decoder
 from tiny_gguf import write_tiny_gguf
 
-from core import pretrained
+from core.checkpoints import pretrained
 from core.errors import UserError
 from tasks.common.tokenizer import PretrainedTokenizer
 

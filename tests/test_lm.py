@@ -10,7 +10,7 @@ from flax import nnx
 
 from core import run
 from core.errors import UserError
-from core.generate import generate_beams
+from core.generation.generate import generate_beams
 from tasks.common.tokenizer import BOS, EOS, PAD
 from tasks.nlp.lm import LanguageModel, LMFeaturizer, LMTask, characters, tiny
 

@@ -7,8 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from core import losses, metrics
-from core.heads import CopyProjection, Projection
+from core import metrics
+from core.model.heads import CopyProjection, Projection
+from core.training import losses
 
 
 def test_cross_entropy_by_hand():
@@ -83,7 +84,7 @@ def test_linear_cross_entropy_with_bfloat16_products_is_the_float32_form_of_roun
     """Under `products_in("bfloat16")` float32 hidden states and table multiply as their bfloat16
     roundings with float32 sums: the loss is the float32 loss of the rounded operands, and the
     gradients stay float32."""
-    from core.transformer import products_in
+    from core.model.precision import products_in
 
     hidden, weight, fused, plain = smoothed_losses(seed=4, counted=0.6)
 

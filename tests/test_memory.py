@@ -8,8 +8,9 @@ from conftest import apps, plain
 from flax import nnx
 
 import cli
-from core import memory, run
-from core.train import build_model
+from core import run
+from core.training import memory
+from core.training.steps import build_model
 from tasks.nlp.sentiment import SentimentTask
 
 FIXTURE = "tests/fixtures/reviews.csv"

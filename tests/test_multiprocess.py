@@ -21,11 +21,12 @@ import jax
 import numpy as np
 import pytest
 
-from core import run, sharding
+from core import run
 from core.config import apply_overrides
-from core.data import train_batches
 from core.errors import LostPeer
-from core.train import build_model, make_steps
+from core.training import sharding
+from core.training.data import train_batches
+from core.training.steps import build_model, make_steps
 from tasks.nlp.sentiment import SentimentTask, tiny
 
 STEPS = 3

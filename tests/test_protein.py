@@ -11,7 +11,7 @@ from conftest import apps, plain
 import tasks
 from core import run
 from core.errors import UserError
-from core.train import build_model
+from core.training.steps import build_model
 from tasks.protein import base, sequences
 from tasks.protein import data as protein_data
 
@@ -187,8 +187,8 @@ def mlm_run(tmp_path_factory):
 
 
 def test_init_from_restores_the_body_and_leaves_the_head_fresh(mlm_run, tmp_path):
-    from core.checkpoint import Checkpoints
-    from core.transfer import flatten
+    from core.training.checkpoints import Checkpoints
+    from core.training.transfer import flatten
     from tasks.protein.classify import ProteinClassTask
 
     config = run.make_config(ProteinClassTask, "tiny", [f"model.init_from={str(mlm_run)!r}"])
@@ -197,7 +197,7 @@ def test_init_from_restores_the_body_and_leaves_the_head_fresh(mlm_run, tmp_path
     model = build_model(task, featurizer, config, from_pretrained=True)
     fresh = build_model(task, featurizer, run.make_config(ProteinClassTask, "tiny"))
     saved = flatten(Checkpoints(mlm_run, read_only=True).read_params().value)
-    from core.pretrained import flat_params
+    from core.checkpoints.pretrained import flat_params
 
     params, initial = flat_params(model), flat_params(fresh)
     for name, value in params.items():
@@ -334,7 +334,7 @@ def test_the_linear_probe_folds_the_standardization_into_the_layer(num_classes):
     from sklearn.pipeline import make_pipeline
     from sklearn.preprocessing import StandardScaler
 
-    from core.transfer import linear_probe
+    from core.training.transfer import linear_probe
 
     rng = np.random.default_rng(0)
     targets = rng.integers(0, num_classes, 300)

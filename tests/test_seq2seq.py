@@ -16,9 +16,9 @@ from flax import nnx
 
 import tasks
 from core import run
-from core.beam import beam_search, gnmt_penalty
+from core.generation.beam import beam_search, gnmt_penalty
 from core.task import read_predict_options
-from core.train import build_model
+from core.training.steps import build_model
 from tasks.nlp import freedict, seq2seq
 from tasks.nlp.decoding import minimum_bayes_risk
 from tasks.nlp.seq2seq import Seq2SeqTask

@@ -27,7 +27,8 @@ from test_multiprocess import free_port
 from tiny_gguf import write_tiny_gguf
 
 import tasks
-from core import run, serve_bench
+from core import run
+from core.serving import load as serve_bench
 from tasks.nlp.lm import LanguageModel
 from tasks.protein.classify import ProteinClassTask
 

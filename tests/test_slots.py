@@ -1,4 +1,4 @@
-"""Continuous batching (core/slots.py): requests decoded side by side in slots of one cache give
+"""Continuous batching (core/generation/slots.py): requests decoded side by side in slots of one cache give
 exactly what the core's generation gives each alone, whenever they join and whatever their lengths."""
 
 import threading
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from test_generate import GEMMA_SHAPED, VOCAB, language_model
 
-from core.generate import generate
-from core.slots import Engine, QueueFull, Request
+from core.generation.generate import generate
+from core.generation.slots import Engine, QueueFull, Request
 
 PROMPTS = [[3, 14, 15], [9, 2, 6, 5, 35, 8, 9], [27], [4, 4, 4, 4, 1], [11, 12]]
 
@@ -166,7 +166,7 @@ def test_bfloat16_weights_decode_in_slots_as_the_narrowed_model_does_alone():
     import jax.numpy as jnp
     from flax import nnx
 
-    from core.generate import narrowed
+    from core.model.precision import narrowed
 
     model = language_model()
     engine = Engine(model, slots=2, dtype="bfloat16")

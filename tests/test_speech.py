@@ -13,9 +13,11 @@ from conftest import apps, table_rows
 from flax import nnx
 
 import tasks
-from core import ctc, losses, run
+from core import run
 from core.errors import UserError
-from core.frontends import ConvSubsampling, subsampled_lengths
+from core.generation import ctc
+from core.model.frontends import ConvSubsampling, subsampled_lengths
+from core.training import losses
 from tasks.speech import audio, corpus, espeak
 from tasks.speech.asr import SpeechData
 from tasks.speech.data import load_user_data

@@ -8,12 +8,13 @@ import jax
 import numpy as np
 import pytest
 
-from core import run, sharding
+from core import run
 from core.config import apply_overrides
-from core.data import bucket_width, train_batches
 from core.errors import UserError
-from core.hooks import Hooks, StepInfo, Window
-from core.train import build_model, make_steps
+from core.training import sharding
+from core.training.data import bucket_width, train_batches
+from core.training.hooks import Hooks, StepInfo, Window
+from core.training.steps import build_model, make_steps
 from tasks.nlp.sentiment import SentimentTask, tiny
 
 
@@ -211,7 +212,7 @@ def test_bucket_widths_by_hand():
 
 def test_hooks_run_at_their_cadence_in_order_and_pausing_ones_stop_the_clock(monkeypatch):
     now = [0.0]
-    monkeypatch.setattr("core.hooks.time.perf_counter", lambda: now[0])
+    monkeypatch.setattr("core.training.hooks.time.perf_counter", lambda: now[0])
     window, calls = Window(), []
     hooks = Hooks(7, window)
 

@@ -10,8 +10,8 @@ from conftest import TINY_BODY
 from flax import nnx
 
 from core.config import ModelConfig
-from core.heads import PooledClassifier, TokenEmbedder
-from core.transformer import Model, Transformer
+from core.model.heads import PooledClassifier, TokenEmbedder
+from core.model.transformer import Model, Transformer
 
 D_MODEL = TINY_BODY["d_model"]
 
@@ -86,7 +86,7 @@ def test_a_front_end_may_change_the_length():
 
 
 def test_post_norm_blocks_end_normalized_with_biases_and_token_types():
-    # BERT's options (core/pretrained.py): every block ends in its MLP's norm, which at its
+    # BERT's options (core/checkpoints/pretrained.py): every block ends in its MLP's norm, which at its
     # initial scale 1 and bias 0 leaves each position with mean 0 and variance 1.
     model = body(norm_position="post", embedding_norm=True, bias=True, token_types=2, mlp="gelu_exact")
     assert model.final_norm is None and model.blocks[0].attention.qkv.bias is not None
@@ -104,7 +104,7 @@ def test_post_norm_blocks_end_normalized_with_biases_and_token_types():
 def test_packed_examples_read_as_if_alone(attention, positions):
     """Three examples packed in one row (segments 1, 2, 3, then padding) give each position the
     hidden state that the example alone gives: no attention across them, positions from each start."""
-    from core.heads import TiedOutput
+    from core.model.heads import TiedOutput
 
     config = ModelConfig(**{**TINY_BODY, "max_len": 16, "causal": True, "positions": positions, "attention": attention})
     rngs = nnx.Rngs(0)
@@ -126,9 +126,9 @@ def test_packed_examples_read_as_if_alone(attention, positions):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("inputs,outputs", [(4, 12), (12, 4), (6, 6)])  # both branches of the weight gradient
 def test_matmul_gradients_are_plain_autodiff(inputs, outputs, dtype):
-    """`core.transformer.matmul`'s custom backward (the weight gradient written transposed when
+    """`core.model.precision.matmul`'s custom backward (the weight gradient written transposed when
     O > I) gives the gradients, and the dtypes, of `x @ kernel` differentiated by JAX."""
-    from core.transformer import matmul
+    from core.model.precision import matmul
 
     rng = np.random.default_rng(inputs * outputs)
     x = jnp.asarray(rng.standard_normal((2, 3, inputs)), dtype)
@@ -150,7 +150,7 @@ def test_products_in_bfloat16_multiply_float32_weights_rounded_and_give_unrounde
     """Mixed precision (`train.matmul_dtype=bfloat16`): float32 activations and weights multiply
     as their bfloat16 roundings with float32 sums, exactly (products of bfloat16 values are exact
     in float32); both gradients are float32 and unrounded: the float32 sums of rounded operands."""
-    from core.transformer import matmul, products_in
+    from core.model.precision import matmul, products_in
 
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((3, 5, 24)), jnp.float32)
@@ -178,11 +178,11 @@ def test_products_in_bfloat16_multiply_float32_weights_rounded_and_give_unrounde
 
 @pytest.mark.parametrize("rows", [1, 2, 5])
 def test_bfloat16_weights_multiply_in_bfloat16_with_float32_sums(rows):
-    """A bfloat16 kernel under float32 activations (decoding weights, `core.generate.narrowed`):
+    """A bfloat16 kernel under float32 activations (decoding weights, `core.model.precision.narrowed`):
     the product is float32 and equals the float32 product of both operands rounded to bfloat16
     (products of bfloat16 values are exact in float32), for one row (multiplied as two inside)
     as for several; the gradients keep each operand's dtype."""
-    from core.transformer import matmul
+    from core.model.precision import matmul
 
     rng = np.random.default_rng(rows)
     x = jnp.asarray(rng.standard_normal((rows, 1, 24)), jnp.float32)
@@ -215,11 +215,11 @@ def compiled_dot_operands(function, *args) -> list[tuple[str, ...]]:
 
 def test_bfloat16_products_and_their_gradients_stay_bfloat16_where_xla_compiles_them():
     """XLA:CPU multiplies a bfloat16 product in float32 when an operand is transposed in memory,
-    as the weight gradients' x^T g are (3 to 3.5 times slower): `core.transformer.transposed`
+    as the weight gradients' x^T g are (3 to 3.5 times slower): `core.model.precision.transposed`
     copies such operands in order. Every product of a linear layer's step and of the fused output
     layer's, forward and backward, reaches the compiled program with bfloat16 operands."""
-    from core.losses import linear_cross_entropy
-    from core.transformer import matmul, products_in
+    from core.model.precision import matmul, products_in
+    from core.training.losses import linear_cross_entropy
 
     rng = np.random.default_rng(0)
     x, g = (jnp.asarray(rng.standard_normal((2, 64, n)), jnp.float32) for n in (32, 96))

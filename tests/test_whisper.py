@@ -14,9 +14,10 @@ import pytest
 from conftest import logged_losses
 from flax import nnx
 
-from core import ctranslate2_files, pretrained, whisper
-from core.encoder_decoder import Start, encode_prefill, generate_beams_from_source, generate_from_source
+from core.checkpoints import ctranslate2_files, pretrained, whisper
 from core.errors import UserError
+from core.generation.seq2seq import encode_prefill, generate_beams_from_source, generate_from_source
+from core.model.encoder_decoder import Start
 from tasks.speech import whisper as speech_whisper
 from tasks.speech.audio import load_audio, whisper_log_mel
 

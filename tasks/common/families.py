@@ -17,11 +17,11 @@ import jax
 import numpy as np
 from flax import nnx
 
-from core import losses
 from core import metrics as metric_lib
 from core.errors import UserError
-from core.heads import PooledClassifier
+from core.model.heads import PooledClassifier
 from core.task import Task
+from core.training import losses
 
 
 def class_ids(labels: Iterable, classes: Sequence[str], what: str = "Labels") -> np.ndarray:

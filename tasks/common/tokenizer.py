@@ -13,7 +13,7 @@ import numpy as np
 import sentencepiece as spm
 import tokenizers
 
-from core import pretrained
+from core.checkpoints import pretrained
 from core.errors import UserError
 from tasks.common import chat
 
@@ -106,7 +106,7 @@ class PretrainedTokenizer:
     """A pretrained checkpoint's tokenizer, read from its tokenizer.json with the `tokenizers`
     package: WordPiece for BERT, byte-level BPE for RoBERTa and SmolLM2, each with the special
     tokens its post-processor adds ([CLS] text [SEP] for BERT, <s> text </s> for RoBERTa), as the
-    checkpoint was trained; and its `config` (`core.pretrained.Family.tokenizer_config`: the
+    checkpoint was trained; and its `config` (`core.checkpoints.pretrained.Family.tokenizer_config`: the
     special tokens, whether a text begins with BOS, the chat template, what ends a generation).
     `vocab_size` is the rows of the checkpoint's embedding table, which must equal the
     tokenizer's size: a tokenizer of another model would feed the table the wrong rows."""

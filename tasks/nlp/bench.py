@@ -17,12 +17,12 @@ import time
 import jax
 from rich.console import Console
 
-from core import data as data_lib
-from core import sharding
-from core.bench import figures
+from core.bench.speed import figures
 from core.errors import UserError
 from core.task import read_predict_options
-from core.train import build_model, make_steps
+from core.training import data as data_lib
+from core.training import sharding
+from core.training.steps import build_model, make_steps
 
 STEPS = 3
 DECODED = 64

@@ -13,7 +13,7 @@ examples are packed into rows of `model.max_len` without attending across them
 
 A source is cut to `data.source_len` pieces of the checkpoint's tokenizer (with a warning)
 before it fills the prompt, so that a long document never pushes its target out of the row.
-Decoding continues each prompt (`core.generate`) until a stop token, at most
+Decoding continues each prompt (`core.generation.generate`) until a stop token, at most
 `data.max_len_a` * source pieces + `data.max_len_b` and `data.target_len` pieces, and keeps
 the new text alone.
 """
@@ -29,9 +29,9 @@ from pathlib import Path
 
 import numpy as np
 
-from core import penalties
-from core.data import decoding_batches
 from core.errors import UserError
+from core.generation import penalties
+from core.training.data import decoding_batches
 from tasks.common.tokenizer import PretrainedTokenizer, Tokenizer, load_tokenizer
 from tasks.nlp import instructions
 from tasks.nlp.freedict import word_by_word
@@ -147,9 +147,9 @@ class CompletionFeaturizer:
 def decode_texts(model, featurizer: CompletionFeaturizer, examples: Sequence[dict], options: dict, data, batch_size):
     """The completion of each example's prompt by one decoding: beam search, or greedy / sampled
     with beams 1 (`options`, a seq2seq task's predict options). Prompts go in batches of
-    `batch_size` of similar lengths, padded to a `core.data.bucket_width` (few compiled shapes);
+    `batch_size` of similar lengths, padded to a `core.training.data.bucket_width` (few compiled shapes);
     `data` (Seq2SeqData) bounds the new pieces."""
-    from core import generate as generation
+    from core.generation import generate as generation
 
     sources = featurizer.sources(examples)
     prompts = featurizer.prompt_ids(sources)

@@ -1,5 +1,5 @@
 """How the seq2seq tasks decode: their `apps predict` options (beam search, sampling, the
-penalties of `core.penalties`, minimum Bayes risk) and the minimum-Bayes-risk choice itself."""
+penalties of `core.generation.penalties`, minimum Bayes risk) and the minimum-Bayes-risk choice itself."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ from collections.abc import Sequence
 import numpy as np
 import sacrebleu
 
-from core import penalties
+from core.generation import penalties
 from core.task import PredictOption
 
 
 def decoding_options() -> tuple[PredictOption, ...]:
-    """`apps predict`'s options of a seq2seq task. The penalties (`core.penalties`) default to
+    """`apps predict`'s options of a seq2seq task. The penalties (`core.generation.penalties`) default to
     the run's own (`data.no_repeat_ngram`, `data.word_reward`), which a preset tunes on the valid
     split for its model: None here stands for them."""
     return (

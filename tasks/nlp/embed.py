@@ -19,10 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from core import pretrained
+from core.checkpoints import pretrained
 from core.errors import UserError
-from core.heads import TokenEmbedder, mean_pool
-from core.transformer import Transformer
+from core.model.heads import TokenEmbedder, mean_pool
+from core.model.transformer import Transformer
 from tasks.common.tokenizer import PretrainedTokenizer
 
 DEFAULT_MODEL = "all-MiniLM-L6-v2"

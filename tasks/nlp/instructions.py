@@ -16,7 +16,7 @@ by row, as text tables are (`tasks.nlp.corpus.split_documents`).
   token, the prompt, the completion and EOS, the loss on the completion and EOS.
 
 `pack` lays the examples end to end into rows of `max_len` predictions, each a segment of its
-own (`segments`: attention stays within it and positions count from its start, core/transformer.py).
+own (`segments`: attention stays within it and positions count from its start, core/model/transformer.py).
 """
 
 from __future__ import annotations

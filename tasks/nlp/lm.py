@@ -31,13 +31,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from core import losses, penalties, pretrained
 from core import metrics as metric_lib
+from core.checkpoints import pretrained
 from core.config import Config, DataConfig, OptimConfig, TrainConfig, modern_blocks, require, tiny_preset
 from core.errors import UserError
-from core.heads import Projection, TiedOutput, TokenEmbedder
+from core.generation import penalties
+from core.model.heads import Projection, TiedOutput, TokenEmbedder
 from core.run import Predictor
 from core.task import PredictOption, Task, final, scored_positions
+from core.training import losses
 from tasks.common import chat
 from tasks.common.tokenizer import PretrainedTokenizer, Tokenizer, load_tokenizer
 from tasks.nlp import corpus, instructions
@@ -330,7 +332,7 @@ class LMTask(Task):
     def generate(self, model, featurizer: LMFeaturizer, examples, options: dict, on_text=None) -> dict:
         """Continues each prompt (`LMFeaturizer.prompt`) until a stop token (EOS, a chat model's
         end of turn) or --max-new-tokens pieces."""
-        from core import generate as generation
+        from core.generation import generate as generation
 
         if options["beams"] < 1:
             raise UserError(f"--beams {options['beams']}: must be at least 1 (1 samples, more search).")
@@ -338,7 +340,7 @@ class LMTask(Task):
             raise UserError("--system is the system message of a chat: give --chat too.")
         prompts = [featurizer.prompt(example, options["system"]) for example in examples]
         # A prompt past the context of a pretrained model, or a conversation (whose beginning the
-        # template needs), is refused; a run trained here keeps a long text's end (core.generate).
+        # template needs), is refused; a run trained here keeps a long text's end (core.generation.generate).
         context = self.config.model.max_len
         for index, (prompt, example) in enumerate(zip(prompts, examples)):
             strict = "messages" in example or self.config.model.pretrained is not None

@@ -1,6 +1,6 @@
 """Sentiment classification of reviews: an encoder over sentencepiece tokens, mean-pooled; or
 (`--preset minilm`) the pretrained all-MiniLM-L6-v2 encoder over its own WordPiece tokens,
-mean-pooled as sentence-transformers trained it, under a new classifier (core/pretrained.py).
+mean-pooled as sentence-transformers trained it, under a new classifier (core/checkpoints/pretrained.py).
 
 `--data synthetic` gives a small generated set with learnable structure, for tests.
 Default data: the 22,641 Women's E-Commerce Clothing Reviews (title and text) that ship in the
@@ -21,10 +21,10 @@ from typing import ClassVar, Literal
 import numpy as np
 from flax import nnx
 
-from core import pretrained
+from core.checkpoints import pretrained
 from core.config import Config, DataConfig, ModelConfig, OptimConfig, TrainConfig, require, tiny_body, tiny_preset
 from core.errors import UserError
-from core.heads import TokenEmbedder
+from core.model.heads import TokenEmbedder
 from core.task import final
 from tasks.common import reviews, splits
 from tasks.common.families import SequenceClassification, class_ids

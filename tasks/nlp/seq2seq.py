@@ -35,15 +35,18 @@ from typing import Any, ClassVar, Literal, Protocol
 import numpy as np
 from flax import nnx
 
-from core import losses, penalties, pretrained
 from core import metrics as metric_lib
+from core.checkpoints import pretrained
 from core.config import Config, DataConfig, ModelConfig, OptimConfig, TrainConfig, require
-from core.data import decoding_batches
-from core.encoder_decoder import EncoderDecoder, Start, generate_beams_from_source, generate_from_source
 from core.errors import UserError
-from core.heads import CopyOutput, CopyProjection, Projection, TiedOutput, TokenEmbedder
+from core.generation import penalties
+from core.generation.seq2seq import generate_beams_from_source, generate_from_source
+from core.model.encoder_decoder import EncoderDecoder, Start
+from core.model.heads import CopyOutput, CopyProjection, Projection, TiedOutput, TokenEmbedder
+from core.model.transformer import Model, Transformer
 from core.task import PredictOption, Task, read_predict_options, scored_positions
-from core.transformer import Model, Transformer
+from core.training import losses
+from core.training.data import decoding_batches
 from tasks.common.tokenizer import BOS, EOS, PAD, PretrainedTokenizer, Tokenizer
 from tasks.nlp import completion
 from tasks.nlp.completion import SOURCE, CompletionFeaturizer
@@ -68,13 +71,13 @@ class Seq2SeqData(DataConfig):
     # A decoding generates at most max_len_a * (source pieces) + max_len_b pieces (fairseq's rule).
     max_len_a: float = 1.5
     max_len_b: int = 8
-    # A pointer-generator output (core.heads.CopyOutput): each target piece may be copied from
+    # A pointer-generator output (core.model.heads.CopyOutput): each target piece may be copied from
     # the source's pieces as well as generated; needs shared_vocab.
     copy: bool = False
     # The decoder-only route's prompt (tasks.nlp.completion): the source stands where {source}
     # is (and, for translate, its dictionary gloss where {gloss} is). None: the encoder-decoder.
     prompt: str | None = None
-    # The penalties (core.penalties) of the decodings, unless `apps predict` sets them.
+    # The penalties (core.generation.penalties) of the decodings, unless `apps predict` sets them.
     no_repeat_ngram: int = 0
     word_reward: float = 0.0
     # The decoder-only route's output covers only the pieces that the training completions
@@ -134,7 +137,7 @@ def decoder_preset(
     task: str, name: str, checkpoint: str, data: Seq2SeqData, steps: int, eval_batch_size: int = 16
 ) -> Config:
     """A pretrained decoder fine-tuned on prompt / completion pairs (`data.prompt`; see
-    `core.pretrained.fine_tuning`): rows of 256 tokens, 8 a step, validated on the valid split's
+    `core.checkpoints.pretrained.fine_tuning`): rows of 256 tokens, 8 a step, validated on the valid split's
     first 256 pairs; evaluation and decoding go `eval_batch_size` rows at a time."""
     data = dataclasses.replace(data, valid_size=256)
     return pretrained.fine_tuning(
@@ -343,7 +346,7 @@ class Seq2SeqTask(Task):
         found = self.text_baselines(train, test, featurizer)
         name = self.config.model.pretrained
         if self.decoder_only and name is not None:
-            from core.train import build_model
+            from core.training.steps import build_model
 
             model = build_model(self, featurizer, self.config, from_pretrained=True)
             options = {**read_predict_options(self.predict_options, {}, self.name), "beams": 1, "temperature": 0.0}
@@ -471,7 +474,7 @@ class Seq2SeqTask(Task):
     def decode_texts(self, model, featurizer, sources: list, options: dict) -> list[str]:
         """The target text of each source (token ids; for the decoder-only route, the examples)
         by one decoding: beam search, or greedy / sampled with beams 1. Sources go in batches of
-        `train.eval_batch_size` of similar lengths, padded to a `core.data.bucket_width` (few
+        `train.eval_batch_size` of similar lengths, padded to a `core.training.data.bucket_width` (few
         compiled shapes)."""
         batch_size, data = self.config.train.eval_batch_size, self.config.data
         # A penalty left unset is the run's own (data.no_repeat_ngram, data.word_reward).

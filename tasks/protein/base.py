@@ -24,7 +24,7 @@ from flax import nnx
 
 from core.config import Config, DataConfig, ModelConfig, OptimConfig, TrainConfig, modern_blocks, require, tiny_preset
 from core.errors import UserError
-from core.heads import TokenEmbedder
+from core.model.heads import TokenEmbedder
 from core.task import Task
 from tasks.common.families import class_ids
 from tasks.protein import data as protein_data

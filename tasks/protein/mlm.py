@@ -21,11 +21,11 @@ import jax
 import numpy as np
 from flax import nnx
 
-from core import losses
 from core import metrics as metric_lib
 from core.config import Config, require
-from core.heads import Projection, TiedOutput
+from core.model.heads import Projection, TiedOutput
 from core.task import final, scored_positions
+from core.training import losses
 from tasks.common.splits import hash_split
 from tasks.protein import data as protein_data
 from tasks.protein import sequences

@@ -28,12 +28,12 @@ import jax
 import numpy as np
 from flax import nnx
 
-from core import losses
 from core import metrics as metric_lib
 from core.config import Config
 from core.errors import UserError
-from core.heads import TokenClassifier
+from core.model.heads import TokenClassifier
 from core.task import final, scored_positions
+from core.training import losses
 from tasks.common.splits import hash_split
 from tasks.protein import data as protein_data
 from tasks.protein import sequences

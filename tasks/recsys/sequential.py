@@ -23,13 +23,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from core import losses
 from core import metrics as metric_lib
 from core.config import Config, ModelConfig, OptimConfig, TrainConfig, tiny_body, tiny_preset
 from core.errors import UserError
-from core.heads import Projection, TiedOutput, TokenEmbedder
+from core.model.heads import Projection, TiedOutput, TokenEmbedder
 from core.run import Predictor
 from core.task import PredictOption, Task, final
+from core.training import losses
 from tasks.recsys import data as rec_data
 from tasks.recsys.featurizer import MASK, PAD, ItemFeaturizer, RecsysData
 

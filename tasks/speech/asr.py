@@ -1,10 +1,10 @@
 """Speech recognition on log-mel spectrograms: a Transformer encoder trained with CTC.
 
 The model is the core's default composition with a speech front end: 80-bin log-mel frames
-(tasks/speech/audio.py) -> `core.frontends.ConvSubsampling` (4x fewer positions, 40 ms each) ->
+(tasks/speech/audio.py) -> `core.model.frontends.ConvSubsampling` (4x fewer positions, 40 ms each) ->
 the encoder stack (rotary positions) -> a linear CTC head over characters, blank id 0 ->
-`core.losses.ctc_loss`. Decoding is greedy on device during training and validation, and
-greedy or CTC prefix beam search (`core.ctc`) in `apps eval` and `apps predict`.
+`core.training.losses.ctc_loss`. Decoding is greedy on device during training and validation, and
+greedy or CTC prefix beam search (`core.generation.ctc`) in `apps eval` and `apps predict`.
 
 Default data: the embedded corpus that eSpeak NG renders (tasks/speech/corpus.py): review
 sentences (`base`) or digit strings (`--preset digits`), tested on held-out voices. `--data`
@@ -34,15 +34,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from core import ctc, losses, pretrained
-from core import whisper as core_whisper
+from core.checkpoints import pretrained
+from core.checkpoints import whisper as core_whisper
 from core.config import Config, DataConfig, ModelConfig, OptimConfig, TrainConfig, require, tiny_body, tiny_preset
-from core.data import decoding_batches
 from core.errors import UserError
-from core.frontends import ConvSubsampling
-from core.heads import Projection
+from core.generation import ctc
+from core.model.frontends import ConvSubsampling
+from core.model.heads import Projection
 from core.run import Predictor
 from core.task import PredictOption, Task, final, scored_positions
+from core.training import losses
+from core.training.data import decoding_batches
 from tasks.speech import audio, corpus
 from tasks.speech.featurizer import SpeechFeaturizer, fit_featurizer
 from tasks.speech.scoring import NORMALIZATION, grouped_error_rates
@@ -364,7 +366,7 @@ class SpeechTask(Task):
     def generate(self, model, featurizer: SpeechFeaturizer, examples, options: dict, on_text=None) -> dict:
         """Transcripts of the examples: greedy (`beam_width` 1) or CTC prefix beam search over
         the model's log-probabilities. Clips go in batches of similar lengths, padded to a
-        `core.data.bucket_width` of frames (few compiled shapes)."""
+        `core.training.data.bucket_width` of frames (few compiled shapes)."""
         width = options["beam_width"]
         if width < 1:
             raise UserError(f"--beam-width {width}: must be at least 1 (1 is greedy).")

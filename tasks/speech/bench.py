@@ -20,8 +20,8 @@ import numpy as np
 from flax import nnx
 from rich.console import Console
 
-from core.bench import figures
-from core.generate import narrowed
+from core.bench.speed import figures
+from core.model.precision import narrowed
 from tasks.speech import corpus
 from tasks.speech.audio import SAMPLE_RATE
 from tasks.speech.featurizer import clip
@@ -51,7 +51,7 @@ def transcription(name: str, console: Console) -> list[dict]:
         title=f"{name}: greedy transcription, real-time factor (wall s per audio s, compiled)",
         caption="batch 1: a call per clip; batch 8: one call; greedy, no temperature fallback. "
         "Whisper reads a 30 s window per clip. bfloat16: the linear layers' weights in bfloat16, "
-        "multiplied with float32 sums (core.generate.narrowed); activations, embeddings and caches in float32.",
+        "multiplied with float32 sums (core.model.precision.narrowed); activations, embeddings and caches in float32.",
         columns=("clips", "audio s", "weights", "batch", "RTF", "wall s"),
     )
     results = []

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from core.errors import UserError
-from core.frontends import subsampled_lengths
+from core.model.frontends import subsampled_lengths
 from tasks.speech import audio as audio_lib
 
 STATS_CLIPS = 2000

@@ -7,7 +7,7 @@ window (the clip padded with silence) of `data.max_seconds`, at most 30 s: Whisp
 on 30 s windows, and reads them best zero-shot; a shorter window costs less in proportion (its
 attention, with the square), which fine-tuning on short clips can afford to learn. The decoder
 reads the prompt
-(`core.whisper.Vocabulary.prompt`: start, language, task, no-timestamps) and then the
+(`core.checkpoints.whisper.Vocabulary.prompt`: start, language, task, no-timestamps) and then the
 transcript's tokens, each predicted from those before; the loss counts the transcript's tokens
 and its end.
 
@@ -28,10 +28,11 @@ from pathlib import Path
 
 import numpy as np
 
-from core import whisper
-from core.beam import gnmt_penalty
-from core.encoder_decoder import Start, generate_beams_from_source, generate_from_source
+from core.checkpoints import whisper
 from core.errors import UserError
+from core.generation.beam import gnmt_penalty
+from core.generation.seq2seq import generate_beams_from_source, generate_from_source
+from core.model.encoder_decoder import Start
 from tasks.common.tokenizer import PretrainedTokenizer
 from tasks.speech import audio as audio_lib
 from tasks.speech.featurizer import clip, describe
@@ -227,7 +228,7 @@ def _decode(
                 model, chunk, beam_size=beam_width, length_penalty=1.0, early_stopping=True, **settings
             )
             tokens, lengths, probe = beams.tokens[:, 0], beams.lengths[:, 0], beams.probe
-            # A beam's score is its log-probability over the length penalty (core.beam).
+            # A beam's score is its log-probability over the length penalty (core.generation.beam).
             log_probs = beams.scores[:, 0] * gnmt_penalty(lengths, 1.0)
         else:
             generated = generate_from_source(model, chunk, temperature=temperature, seed=seed, **settings)

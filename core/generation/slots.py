@@ -1,0 +1,348 @@
+"""Continuous batching for a decoder-only model: requests share one KV cache, slot by slot.
+
+The cache holds `slots` rows of the model's context. A request waits in a bounded queue until a
+slot is free; its prompt is then prefilled into that slot's row (padded to a width bucket,
+`core.training.data.bucket_width`: a few compiled programs, all compiled by `warm_up`) and its first token
+sampled; from the next step on it decodes beside every other active slot, one token per slot
+per step, each row at its own position (`Cache.lengths`). A finished, failed or cancelled
+request frees its slot at once and a waiting one takes it before the next step: one long
+request never holds short ones back, and the step's batch is as full as the load allows.
+
+Each slot samples with its own settings (temperature, nucleus, seed): greedy where the
+temperature is 0, else a draw from the softmax of the logits over the temperature, cut to the
+nucleus of `top_p`, with the key folded from the request's seed and its token count, so a
+request gives the same tokens whichever slot it lands in and whatever runs beside it.
+
+One engine thread owns the cache and runs every compiled call; callers submit from any thread
+and receive tokens through their request's `emit` callback, on the engine thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from core.generation.generate import COMPILER_OPTIONS, filter_logits, logits_of
+from core.model.precision import narrowed
+from core.model.transformer import Model
+from core.training.data import bucket_width
+
+log = logging.getLogger("apps")
+
+
+@dataclass
+class Request:
+    """One generation: prompt ids, how many new tokens at most, the sampling settings, the ids
+    that end it (never drawn before `min_new` new tokens), and `emit(token, reason)`: called with
+    each new token (reason None), then once with token None and why it ended ("stop": a stop id,
+    not emitted; "length": max_new; "cancelled"; "error: ..."). `cancel()` from any thread frees
+    its slot before the next step."""
+
+    prompt: Sequence[int]
+    max_new: int
+    emit: Callable[[int | None, str | None], None]
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_ids: frozenset[int] = frozenset()
+    min_new: int = 0
+    submitted: float = field(default_factory=time.perf_counter)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+class QueueFull(Exception):
+    """The engine's queue holds `queue_size` waiting requests already."""
+
+
+# The most stop ids a request with `min_new` may hold back (a tokenizer has a few: end of text,
+# end of turn), and the id that fills the rest of its row, out of any vocabulary's range.
+HELD = 8
+NO_ID = 2**31 - 1
+
+
+def _pick(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, seed: jax.Array, count: jax.Array, held):
+    """Each row's next token from logits [S, V] and its settings [S]: greedy at temperature 0,
+    else sampled in the nucleus of top_p with the key of (seed, count); never one of the row's
+    `held` ids [S, HELD] (its stop ids while it has fewer than `min_new` tokens; NO_ID pads).
+
+    The draws (random bits for every entry of the vocabulary) and the nucleus (a sort of it) cost
+    more than the rest of a small model's step at a large vocabulary, so each runs only when some
+    row asks for it: a real branch on the CPU, and a row's tokens never depend on whether its
+    neighbours sample (top_p 1 keeps every logit, with or without the sort)."""
+    logits = logits.at[jnp.arange(logits.shape[0])[:, None], held].set(-jnp.inf, mode="drop")
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def sampled():
+        scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+        nucleus = jnp.any((temperature > 0) & (top_p < 1))
+        scaled = jax.lax.cond(nucleus, lambda: filter_logits(scaled, None, top_p[:, None]), lambda: scaled)
+        keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seed, count)
+        drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+        return jnp.where(temperature > 0, drawn, greedy)
+
+    return jax.lax.cond(jnp.any(temperature > 0), sampled, lambda: greedy)
+
+
+class Engine:
+    """The slots, their cache and the thread that decodes them (see the module's text)."""
+
+    def __init__(
+        self, model: Model, *, slots: int, queue_size: int = 256, context: int | None = None, dtype: str = "float32"
+    ):
+        config = model.body.config
+        if not config.causal:
+            raise ValueError("Continuous batching needs a causal (decoder-only) model.")
+        self.slots, self.context = slots, min(context or config.max_len, config.max_len)
+        self.graphdef, params = nnx.split(model)
+        # On one device, whatever mesh the run was loaded onto: the cache lives there too, placed
+        # there from the start (a step returns it so placed, and a program compiled for the first
+        # placement would compile again for the second at the first request).
+        device = jax.local_devices()[0]
+        self.params = jax.device_put(narrowed(params, dtype), device)
+        cache_dtype = model.embedder.embedding.embedding[...].dtype
+        self.cache = jax.device_put(model.body.init_cache(slots, self.context, cache_dtype), device)
+        self.waiting: queue.Queue[Request] = queue.Queue(maxsize=queue_size)
+        self.active: list[Request | None] = [None] * slots
+        self.counts = np.zeros(slots, np.int32)  # tokens each slot's request has had
+        self.last = np.zeros(slots, np.int32)  # each slot's latest token, the next step's input
+        self.steps = self.prefills = 0
+        self.on_step: Callable[[int], None] | None = None  # told each step's active slots (a server's metrics)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._prefill = jax.jit(self._prefill_into, donate_argnums=1, compiler_options=COMPILER_OPTIONS)
+        self._step = jax.jit(self._decode_rows, static_argnums=0, donate_argnums=2, compiler_options=COMPILER_OPTIONS)
+
+    # The compiled programs ------------------------------------------------------------------
+
+    def _prefill_into(self, params, cache, tokens, length, slot, sampling):
+        """Prompt tokens [1, W] (length real ones) into row `slot` of the cache -> (its first
+        token, the cache)."""
+        model = nnx.merge(self.graphdef, params)
+        row = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=0), cache)
+        x, mask = model.embedder(tokens, jnp.arange(tokens.shape[1])[None, :] < length)
+        hidden, row = model.body.prefill(x, mask, row)
+        logits = logits_of(model, jnp.take_along_axis(hidden, (length - 1).reshape(1, 1, 1), axis=1))[0]
+        cache = jax.tree.map(lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r, slot, axis=0), cache, row)
+        temperature, top_p, seed, held = sampling
+        row = (jnp.atleast_1d(v) for v in (temperature, top_p, seed, jnp.int32(0)))
+        return _pick(logits[None], *row, held[None])[0], cache
+
+    def _decode_rows(self, rows, params, cache, tokens, active, temperature, top_p, seed, count, held):
+        """`_decode_step` on the cache's first `rows` rows alone (every argument after the cache
+        is of those rows): a step costs what its rows cost, so a few active slots in the
+        lowest rows (where `_admit` puts requests) step at the price of a few."""
+        if rows == self.slots:
+            return self._decode_step(params, cache, tokens, active, temperature, top_p, seed, count, held)
+        part = jax.tree.map(lambda a: a[:rows], cache)
+        tokens, part = self._decode_step(params, part, tokens, active, temperature, top_p, seed, count, held)
+        return tokens, jax.tree.map(lambda a, p: jax.lax.dynamic_update_slice_in_dim(a, p, 0, axis=0), cache, part)
+
+    def _decode_step(self, params, cache, tokens, active, temperature, top_p, seed, count, held):
+        """One token for every slot [S] -> (the next token of each, the cache); an idle slot
+        computes at position 0, so its row never runs past the context."""
+        model = nnx.merge(self.graphdef, params)
+        cache = cache._replace(lengths=jnp.where(active, cache.lengths, 0))
+        x, _ = model.embedder(tokens[:, None], jnp.ones((tokens.shape[0], 1), bool))
+        hidden, cache = model.body.extend(x, cache)
+        logits = logits_of(model, hidden)
+        return _pick(logits, temperature, top_p, seed, count, held), cache
+
+    # Running ---------------------------------------------------------------------------------
+
+    def widths(self) -> list[int]:
+        """The prompt widths that prefill compiles for: every bucket up to the context."""
+        found, length = [], 1
+        while length <= self.context - 1:
+            width = bucket_width(length, self.context - 1)
+            found.append(width)
+            length = width + 1
+        return found
+
+    def warm_up(self) -> dict[str, float]:
+        """Compiles a prefill for every width and the decode step for every count of leading
+        rows (a served request then never waits for a compiler); -> seconds taken by each."""
+        timings = {}
+        for width in self.widths():
+            started = time.perf_counter()
+            self._prefill_slot(0, Request([0] * width, 1, lambda *_: None))
+            timings[f"prefill {width}"] = time.perf_counter() - started
+        for rows in self.row_counts():
+            started = time.perf_counter()
+            self._run_step(np.arange(self.slots) == rows - 1)
+            timings[f"decode step, {rows} rows"] = time.perf_counter() - started
+        self.counts[:] = 0
+        self.prefills = self.steps = 0  # the counts are of requests served
+        return timings
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="apps-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Ends the loop once the active and waiting requests are done (or after `timeout`)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def submit(self, request: Request) -> None:
+        if request.min_new and len(request.stop_ids) > HELD:
+            raise ValueError(f"min_new holds back at most {HELD} stop ids; the request has {len(request.stop_ids)}")
+        if len(request.prompt) + request.max_new > self.context:
+            raise ValueError(
+                f"{len(request.prompt)} prompt tokens and {request.max_new} new ones exceed the {self.context} "
+                "positions of the context"
+            )
+        try:
+            self.waiting.put_nowait(request)
+        except queue.Full:
+            raise QueueFull from None
+
+    def busy(self) -> int:
+        return sum(request is not None for request in self.active)
+
+    def _loop(self) -> None:
+        while True:
+            self._admit()
+            if not self.busy():
+                if self._stop.is_set() and self.waiting.empty():
+                    return
+                try:
+                    request = self.waiting.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+                self._start(self.active.index(None), request)
+                continue
+            active = np.array([r is not None for r in self.active])
+            if self.on_step is not None:
+                self.on_step(int(active.sum()))
+            try:
+                tokens = self._run_step(active)
+            except Exception as error:  # the step failed: every request in it fails, the engine goes on
+                log.exception("A decode step failed.")
+                for slot, request in enumerate(self.active):
+                    if request is not None:
+                        self._finish(slot, f"error: {error}")
+                continue
+            for slot, request in enumerate(self.active):
+                if request is not None:
+                    self._advance(slot, request, int(tokens[slot]))
+
+    def _admit(self) -> None:
+        """Fills free slots from the queue, skipping cancelled requests."""
+        while None in self.active:
+            try:
+                request = self.waiting.get_nowait()
+            except queue.Empty:
+                return
+            self._start(self.active.index(None), request)
+
+    def _start(self, slot: int, request: Request) -> None:
+        if request.cancelled.is_set():
+            _tell(request, None, "cancelled")
+            return
+        self.active[slot] = request
+        try:
+            token = self._prefill_slot(slot, request)
+        except Exception as error:
+            log.exception("A prefill failed.")
+            self._finish(slot, f"error: {error}")
+            return
+        self.counts[slot] = 0
+        self._advance(slot, request, token)
+
+    def _prefill_slot(self, slot: int, request: Request) -> int:
+        prompt = request.prompt
+        width = bucket_width(len(prompt), self.context - 1)
+        tokens = np.zeros((1, width), np.int32)
+        tokens[0, : len(prompt)] = prompt
+        settings = (
+            jnp.float32(request.temperature),
+            jnp.float32(request.top_p),
+            jnp.uint32(request.seed),
+            _held([request], [0])[0],
+        )
+        token, self.cache = self._prefill(
+            self.params, self.cache, tokens, jnp.int32(len(prompt)), jnp.int32(slot), settings
+        )
+        self.prefills += 1
+        return int(token)
+
+    def row_counts(self) -> list[int]:
+        """The numbers of leading rows that a decode step compiles for: all of them, and the
+        powers of two up to a third of them. XLA copies the rows that a step takes out of the
+        cache and writes them back, which costs about twice what computing a row costs on two
+        CPU cores (SmolLM2 at 512 positions: 16 rows 99 ms a step, 8 of them 133 ms, 4 of
+        them 83 ms, 1 of them 37 ms), so fewer rows pay below a third."""
+        return sorted({*(1 << i for i in range(self.slots.bit_length()) if 3 << i <= self.slots), self.slots})
+
+    def _run_step(self, active: np.ndarray) -> np.ndarray:
+        """A decode step over the fewest leading rows that hold every active slot -> a token per slot."""
+        last = int(np.flatnonzero(active)[-1]) + 1 if active.any() else 1
+        rows = next(n for n in self.row_counts() if n >= last)
+        requests = [r if r is not None else Request((), 1, lambda *_: None) for r in self.active[:rows]]
+        tokens, self.cache = self._step(
+            rows,
+            self.params,
+            self.cache,
+            self.last[:rows],
+            active[:rows],
+            np.array([r.temperature for r in requests], np.float32),
+            np.array([r.top_p for r in requests], np.float32),
+            np.array([r.seed for r in requests], np.uint32),
+            self.counts[:rows],
+            _held(requests, self.counts[:rows]),
+        )
+        self.steps += 1
+        found = np.zeros(self.slots, np.int32)
+        found[:rows] = np.asarray(tokens)
+        return found
+
+    def _advance(self, slot: int, request: Request, token: int) -> None:
+        """A slot's new token: emitted, or the end of its request."""
+        self.counts[slot] += 1
+        self.last[slot] = token
+        if request.cancelled.is_set():
+            self._finish(slot, "cancelled")
+        elif token in request.stop_ids:
+            self._finish(slot, "stop")
+        else:
+            _tell(request, token, None)
+            if self.counts[slot] >= request.max_new:
+                self._finish(slot, "length")
+
+    def _finish(self, slot: int, reason: str) -> None:
+        request, self.active[slot] = self.active[slot], None
+        if request is not None:
+            _tell(request, None, reason)
+
+
+def _held(requests: Sequence[Request], counts: Sequence[int]) -> np.ndarray:
+    """The ids each request may not draw next [len(requests), HELD]: its stop ids while it has
+    fewer than `min_new` tokens."""
+    held = np.full((len(requests), HELD), NO_ID, np.int32)
+    for row, (request, count) in enumerate(zip(requests, counts)):
+        if count < request.min_new:
+            ids = sorted(request.stop_ids)
+            held[row, : len(ids)] = ids
+    return held
+
+
+def _tell(request: Request, token: int | None, reason: str | None) -> None:
+    """`request.emit`, whose failure (a caller's bug) cancels that request alone."""
+    try:
+        request.emit(token, reason)
+    except Exception:
+        log.exception("A request's emit failed; cancelling it.")
+        request.cancel()

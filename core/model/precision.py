@@ -1,0 +1,136 @@
+"""Mixed precision: the dtype each product runs in, and products that keep float32 sums.
+
+`products_in(dtype)` sets, while a function is traced, the dtype that the core's products run
+in where it is narrower than their operands (`train.matmul_dtype`); `narrower` reads it;
+`product`, `einsum_product` and `matmul` multiply in it with float32 sums; `transposed` lays an
+operand out so that XLA:CPU multiplies it in that dtype; `narrowed` gives decoding weights in a
+narrower dtype. The model's layers (`core.model.transformer`, `core.model.attention`) and the
+training losses import it; it imports nothing of the core.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+
+def product(a: jax.Array, b: jax.Array, dtype) -> jax.Array:
+    """a [..., I] @ b [I, O] multiplied in `dtype`: in float32 (or wider) as it stands; in a
+    narrower float (bfloat16) with both operands in it, the sums in float32 and a float32 result.
+
+    On XLA:CPU, bfloat16 products with a float32 result run through YNNPACK at 1.5-2.8x the
+    speed of float32 ones (SmolLM2's layer shapes at 2 to 2,048 rows), while a bfloat16 result,
+    or weights converted up to float32 before a float32 product, run 5-10x slower. With a
+    single row XLA takes yet another path, 8x slower, so one row is multiplied as two.
+    """
+    if jnp.dtype(dtype).itemsize >= 4:
+        return a @ b
+    a, b = a.astype(dtype), b.astype(dtype)
+    if math.prod(a.shape[:-1]) > 1:
+        return jnp.matmul(a, b, preferred_element_type=jnp.float32)
+    padded = jnp.zeros((2, a.shape[-1]), dtype).at[0].set(a.reshape(-1))
+    return jnp.matmul(padded, b, preferred_element_type=jnp.float32)[0].reshape(*a.shape[:-1], b.shape[-1])
+
+
+def transposed(a: jax.Array, dtype) -> jax.Array:
+    """a [M, N] -> a.T [N, M], as an operand of a `product` in `dtype`.
+
+    In a narrower float on XLA:CPU, the transpose is copied (in `dtype`) so that its rows lie in
+    order in memory. XLA runs a bfloat16 product through YNNPACK only when its operands are laid
+    out so; else it converts both to float32 and multiplies there, 3 to 3.5 times slower at
+    SmolLM2's shapes (a weight gradient, x^T g summed over tokens: 1,000-1,500 against some
+    240 GFLOP/s). A plain transpose XLA folds into the product's dimensions or into a layout, so
+    the copy goes through a barrier, flattened: a flat array has one layout. Other backends read
+    a transposed operand as it stands.
+    """
+    if jnp.dtype(dtype).itemsize >= 4 or jax.default_backend() != "cpu":
+        return a.T
+    return jax.lax.optimization_barrier(a.astype(dtype).T.reshape(-1)).reshape(a.shape[1], a.shape[0])
+
+
+# The dtype that products run in where it is narrower than their operands (`products_in`).
+_PRODUCTS: contextvars.ContextVar = contextvars.ContextVar("products", default="float32")
+
+
+@contextlib.contextmanager
+def products_in(dtype):
+    """Within it, the core's products (`matmul`, the blockwise attention's in `core.model.attention`,
+    and the output layer's in `core.training.losses`; not a classifier head's small ones) run in
+    `dtype` where that is narrower than their operands: "bfloat16" gives float32 training bfloat16
+    products with float32 sums and results (mixed precision; `train.matmul_dtype`). Read when a
+    function is traced, as `jax.default_matmul_precision` is: enter it inside the jitted step."""
+    token = _PRODUCTS.set(dtype)
+    try:
+        yield
+    finally:
+        _PRODUCTS.reset(token)
+
+
+def narrower(*dtypes) -> jnp.dtype:
+    """The float of fewest bytes among `dtypes` and that of `products_in`: the dtype a product of
+    such operands runs in."""
+    return min((jnp.dtype(d) for d in (*dtypes, _PRODUCTS.get())), key=lambda d: d.itemsize)
+
+
+def matmul(x: jax.Array, kernel: jax.Array) -> jax.Array:
+    """x [..., I] @ kernel [I, O] -> x's dtype, multiplied in the dtype of fewer bytes of the
+    two and of `products_in` (`product`: bfloat16 weights with float32 activations multiply in
+    bfloat16), with a weight gradient that transposes the narrower operand (in shape)."""
+    return _matmul(x, kernel, narrower(x.dtype, kernel.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _matmul(x: jax.Array, kernel: jax.Array, dtype) -> jax.Array:
+    """`matmul` in `dtype`. The weight gradient x^T @ g contracts over tokens; XLA on CPU hands
+    its matmul one operand transposed in memory, and by default picks g, fusing that strided
+    write into whatever produced g (the GELU backward, for one). Written as (g^T @ x)^T when
+    O > I, the copy falls on x, the narrower of the two, and the producer of g writes in order.
+    Both gradients come out of float32 sums in their operand's dtype: float32 weights trained
+    with bfloat16 products get their gradient unrounded."""
+    return product(x, kernel, dtype).astype(x.dtype)
+
+
+def _matmul_forward(x, kernel, dtype):
+    return _matmul(x, kernel, dtype), (x, kernel)
+
+
+def _matmul_backward(dtype, residuals, g):
+    x, kernel = residuals
+    inputs, outputs = kernel.shape
+    flat_x, flat_g = x.reshape(-1, inputs), g.reshape(-1, outputs)
+    if outputs > inputs and jnp.dtype(dtype).itemsize >= 4:
+        grad_kernel = product(flat_g.T, flat_x, dtype).T
+    else:
+        grad_kernel = product(transposed(flat_x, dtype), flat_g, dtype)
+    return product(g, kernel.T, dtype).astype(x.dtype), grad_kernel.astype(kernel.dtype)
+
+
+_matmul.defvjp(_matmul_forward, _matmul_backward)
+
+
+def einsum_product(spec: str, a, b):
+    """jnp.einsum(spec, a, b) with float32 results, multiplied in the narrower dtype of the
+    operands and of `core.model.precision.products_in`."""
+    dtype = narrower(a.dtype, b.dtype)
+    return jnp.einsum(spec, a.astype(dtype), b.astype(dtype), preferred_element_type=jnp.float32)
+
+
+def narrowed(params: Any, dtype: str) -> Any:
+    """Decoding weights: every linear layer's kernel of `params` (an nnx state) in `dtype`, the
+    rest (embeddings, norms, biases) as they are, so that the activations stay in float32. With
+    "bfloat16" each product multiplies in bfloat16 with float32 sums (`core.model.precision.product`),
+    about 1.5x faster than float32 at 2-16 rows on XLA:CPU. The cache stays in float32: XLA:CPU
+    scatters a bfloat16 one by converting all of it to float32 and back, at every step."""
+    if dtype == "float32":
+        return params
+
+    def cast(path, leaf):
+        return leaf.astype(dtype) if any(getattr(key, "key", None) == "kernel" for key in path) else leaf
+
+    return jax.tree_util.tree_map_with_path(cast, params)

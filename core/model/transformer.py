@@ -1,0 +1,450 @@
+"""The shared Transformer body (Flax NNX) and the `Model` that joins a task's edges to it.
+
+Positions are learned (a table of max_len rows), rotary (applied to queries and keys) or
+sinusoidal (a fixed table added to the inputs, as Whisper's encoder has).
+
+Pre-norm blocks: x + Attention(Norm(x)), then x + MLP(Norm(x)), and a final norm; or, with
+`norm_position="post"` (BERT, for its checkpoints: core/checkpoints/pretrained.py), Norm(x + Attention(x)),
+then Norm(x + MLP(x)), and no final norm. Attention is
+`core.model.attention` (`jax.nn.dot_product_attention`, or a blockwise kernel on CPU), fed from one
+fused QKV projection so that the hot matmul is a single large GEMM. Norms run in
+float32 whatever the compute dtype; dropout takes an explicit key so that train steps stay pure
+functions of (parameters, batch, key).
+
+A causal body also decodes (see `core.generation.generate`). `prefill` runs the prompts as the training
+forward does and keeps every layer's keys and values in a preallocated `Cache`; `extend` runs a
+few new tokens per row after the cached ones, at each row's own positions, and writes theirs.
+The cache (core/model/cache.py) is a plain pytree passed in and returned, so that decode steps are pure
+functions.
+
+A body built with `cross_attention=True` is the decoder of an encoder-decoder: each block is
+self-attention, then cross-attention over the encoder's outputs (the memory [B, S, D] and its
+mask [B, S]), then the MLP. For decoding, `project_memory` computes every layer's keys and
+values of the memory once; they ride in the cache (`Cache.memory`) beside the decoder's own.
+`EncoderDecoder` (core/model/encoder_decoder.py) joins an encoder body and such a decoder.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from core.config import ModelConfig
+from core.model.attention import attention, cached_attention, memory_attention
+from core.model.cache import Cache, KeyValues, Memory, write
+from core.model.precision import matmul
+
+
+def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
+    """Inverted dropout; the identity when `key` is None (evaluation) or `rate` is 0."""
+    if key is None or rate == 0.0:
+        return x
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
+
+
+class Norm(nnx.Module):
+    """LayerNorm or RMSNorm over the last axis, computed in float32."""
+
+    def __init__(self, d_model: int, kind: str, epsilon: float = 1e-6):
+        self.kind = kind
+        self.epsilon = epsilon
+        self.scale = nnx.Param(jnp.ones((d_model,)))
+        self.bias = nnx.Param(jnp.zeros((d_model,))) if kind == "layernorm" else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = x.astype(jnp.float32)
+        if self.kind == "layernorm":
+            y = y - y.mean(-1, keepdims=True)
+        y = y * jax.lax.rsqrt((y * y).mean(-1, keepdims=True) + self.epsilon)
+        shape = (1,) * (y.ndim - 1) + (-1,)
+        y = y * self.scale[...].reshape(shape)
+        if self.bias is not None:
+            y = y + self.bias[...].reshape(shape)
+        return y.astype(x.dtype)
+
+
+def sinusoids(positions: jax.Array, width: int) -> jax.Array:
+    """The fixed position table of Whisper's encoder (tensor2tensor's layout) at integer
+    `positions` [B, T] -> [B, T, width]: the sines of width / 2 frequencies, geometric from 1 down
+    to 1 / 10,000, then their cosines."""
+    half = width // 2
+    frequencies = jnp.exp(-math.log(10_000.0) / (half - 1) * jnp.arange(half, dtype=jnp.float32))
+    angle = positions[..., None].astype(jnp.float32) * frequencies[None, None, :]
+    return jnp.concatenate([jnp.sin(angle), jnp.cos(angle)], axis=-1)
+
+
+def rotary(x: jax.Array, positions: jax.Array, base: float = 10_000.0) -> jax.Array:
+    """Rotary position embedding of x [B, T, N, H] at integer positions [B, T]."""
+    half = x.shape[-1] // 2
+    inv_freq = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angle = positions[..., None].astype(jnp.float32) * inv_freq[None, None, :]  # [B, T, H/2]
+    sin, cos = jnp.sin(angle)[:, :, None, :], jnp.cos(angle)[:, :, None, :]
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+class Dense(nnx.Module):
+    """A linear layer whose backward pass is `matmul`'s; bias-free unless `bias` (BERT has them).
+
+    With `lora_rank` r > 0 it adds a LoRA update (Hu et al., 2021): y = W x + B (A x) * alpha / r,
+    A [inputs, r] random and B [r, outputs] zero, so that training starts from W's outputs
+    exactly (core/model/lora.py trains A and B alone, and folds them into W for export)."""
+
+    def __init__(
+        self, inputs: int, outputs: int, *, bias: bool = False, lora_rank: int = 0, lora_alpha: float = 16.0, rngs
+    ):
+        self.kernel = nnx.Param(nnx.initializers.lecun_normal()(rngs.params(), (inputs, outputs)))
+        self.bias = nnx.Param(jnp.zeros((outputs,))) if bias else None
+        if lora_rank:
+            self.lora_a = nnx.Param(nnx.initializers.he_uniform()(rngs.params(), (inputs, lora_rank)))
+            self.lora_b = nnx.Param(jnp.zeros((lora_rank, outputs)))
+            self.lora_scale = lora_alpha / lora_rank
+        else:
+            self.lora_a = self.lora_b = None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = matmul(x, self.kernel[...])
+        if self.lora_a is not None:
+            y = y + matmul(matmul(x, self.lora_a[...]), self.lora_b[...] * self.lora_scale)
+        if self.bias is not None:
+            y = y + self.bias[...].astype(x.dtype).reshape((1,) * (y.ndim - 1) + (-1,))
+        return y
+
+
+def adapters(config: ModelConfig, name: str) -> dict:
+    """The LoRA arguments of the linear layer `name` (one of config.LORA_TARGETS)."""
+    if config.lora_rank and name in config.lora_targets:
+        return {"lora_rank": config.lora_rank, "lora_alpha": config.lora_alpha}
+    return {}
+
+
+class Attention(nnx.Module):
+    """Multi-head (or grouped-query) self-attention with a fused QKV projection; block `layer`'s
+    window and rotary base (`ModelConfig.window`, `rope_base_of`); with `qk_norm`, each head's
+    queries and keys RMS-normalized before their positions are applied."""
+
+    def __init__(self, config: ModelConfig, layer: int = 0, *, rngs: nnx.Rngs):
+        self.config = config
+        self.window, self.rope_base = config.window(layer), config.rope_base_of(layer)
+        width = (config.num_heads + 2 * config.key_value_heads) * config.head_dim
+        inner = config.num_heads * config.head_dim
+        self.qkv = Dense(
+            config.d_model, width, bias=config.bias or config.qkv_bias, **adapters(config, "qkv"), rngs=rngs
+        )
+        self.out = Dense(inner, config.d_model, bias=config.bias, **adapters(config, "out"), rngs=rngs)
+        if config.qk_norm:
+            self.q_norm = Norm(config.head_dim, "rmsnorm", config.norm_epsilon)
+            self.k_norm = Norm(config.head_dim, "rmsnorm", config.norm_epsilon)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def __call__(
+        self, x: jax.Array, mask: jax.Array, positions: jax.Array, cache: KeyValues | None, prefill: bool, segments=None
+    ) -> tuple[jax.Array, KeyValues | None]:
+        """x [B, T, D] at `positions` [B, T] -> [B, T, D] and the cache with this chunk's keys.
+
+        Without a cache, or in a prefill (positions 0..T-1, right-padded `mask`), the chunk
+        attends within itself; a prefill also stores its keys in the cache (`core.model.cache.write`). Else
+        the chunk follows the cached keys: its queries attend to them and to its own keys, which
+        then go into the slots of their positions, so that a step reads the cache before it
+        updates it in place.
+        """
+        c = self.config
+        B, T, _ = x.shape
+        N, K = c.num_heads, c.key_value_heads
+        q, k, v = jnp.split(self.qkv(x).reshape(B, T, N + 2 * K, -1), (N, N + K), axis=2)  # [B, T, N|K, H]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if c.positions == "rotary":
+            q, k = rotary(q, positions, self.rope_base), rotary(k, positions, self.rope_base)
+        if cache is None or prefill:
+            y = attention(
+                q, k, v, mask, causal=c.causal, implementation=c.attention, window=self.window, segments=segments
+            )
+        else:
+            y = cached_attention(q, k, v, cache.keys, cache.values, positions[:, 0], self.window)
+        if cache is not None:
+            lengths = mask.sum(-1, dtype=jnp.int32) if prefill else positions[:, -1] + 1
+            cache = write(cache, k, v, None if prefill else positions, lengths)
+        return self.out(y.reshape(B, T, -1)), cache
+
+
+class CrossAttention(nnx.Module):
+    """Attention of a decoder's queries over an encoder's outputs (the memory): a query
+    projection of the decoder's states and a fused key/value projection of the memory, grouped
+    query heads as in `Attention`. No positions here: each stack has added its own."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        self.query = Dense(config.d_model, config.num_heads * config.head_dim, bias=config.bias, rngs=rngs)
+        self.key_value = Dense(
+            config.d_model, 2 * config.key_value_heads * config.head_dim, bias=config.bias, rngs=rngs
+        )
+        self.out = Dense(config.num_heads * config.head_dim, config.d_model, bias=config.bias, rngs=rngs)
+
+    def project(self, memory: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """memory [B, S, D] -> its keys and values [B, S, K, H]."""
+        B, S, _ = memory.shape
+        k, v = jnp.split(self.key_value(memory).reshape(B, S, 2 * self.config.key_value_heads, -1), 2, axis=2)
+        return k, v
+
+    def keys_values(self, memory: jax.Array) -> KeyValues:
+        """memory [B, S, D] -> its keys and values in the cache's layout, computed once for decoding."""
+        k, v = self.project(memory)
+        return KeyValues(k.transpose(0, 2, 1, 3), v.transpose(0, 2, 3, 1))
+
+    def __call__(self, x: jax.Array, memory: jax.Array | KeyValues, memory_mask: jax.Array) -> jax.Array:
+        """x [B, T, D] over `memory`: the encoder's outputs [B, S, D] (training: projected here,
+        through the configured kernel) or their `keys_values` (decoding) -> [B, T, D]."""
+        c = self.config
+        B, T, _ = x.shape
+        q = self.query(x).reshape(B, T, c.num_heads, -1)
+        if isinstance(memory, KeyValues):
+            y = memory_attention(q, memory.keys, memory.values, memory_mask)
+        else:
+            k, v = self.project(memory)
+            y = attention(q, k, v, memory_mask, causal=False, implementation=c.attention, cross=True)
+        return self.out(y.reshape(B, T, -1))
+
+
+class MLP(nnx.Module):
+    """GELU MLP (tanh approximation, or "gelu_exact" with erf as BERT's checkpoints were trained),
+    or a gated one, SwiGLU (SiLU gate) or GeGLU (tanh GELU gate), with the gate and up
+    projections fused into one matmul."""
+
+    GATES = {"swiglu": jax.nn.silu, "geglu": functools.partial(jax.nn.gelu, approximate=True)}
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.kind = config.mlp
+        width = 2 * config.mlp_dim if self.kind in self.GATES else config.mlp_dim
+        self.up = Dense(config.d_model, width, bias=config.bias, **adapters(config, "up"), rngs=rngs)
+        self.down = Dense(config.mlp_dim, config.d_model, bias=config.bias, **adapters(config, "down"), rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = self.up(x)
+        if self.kind in self.GATES:
+            gate, h = jnp.split(h, 2, axis=-1)
+            h = self.GATES[self.kind](gate) * h
+        else:
+            h = jax.nn.gelu(h, approximate=self.kind == "gelu")
+        return self.down(h)
+
+
+def make_norm(config: ModelConfig) -> Norm:
+    return Norm(config.d_model, config.norm, config.norm_epsilon)
+
+
+class Block(nnx.Module):
+    """One Transformer block, pre-norm, post-norm or sandwich by `config.norm_position`; with
+    `cross_attention`, a cross-attention sublayer over the memory sits between the
+    self-attention and the MLP. Each sublayer's norm keeps its name in every order, so that
+    norm1 is the attention's and norm2 the MLP's; a sandwich adds out_norm1 and out_norm2 on
+    their outputs."""
+
+    def __init__(self, config: ModelConfig, layer: int = 0, *, cross_attention: bool = False, rngs: nnx.Rngs):
+        self.rate = config.dropout
+        self.post_norm = config.norm_position == "post"
+        self.norm1 = make_norm(config)
+        self.attention = Attention(config, layer, rngs=rngs)
+        if cross_attention:
+            self.norm_cross = make_norm(config)
+            self.cross_attention = CrossAttention(config, rngs=rngs)
+        else:
+            self.cross_attention = None
+        self.norm2 = make_norm(config)
+        self.mlp = MLP(config, rngs=rngs)
+        sandwich = config.norm_position == "sandwich"
+        self.out_norm1 = make_norm(config) if sandwich else None
+        self.out_norm2 = make_norm(config) if sandwich else None
+
+    def __call__(
+        self, x, mask, positions, key, memory=None, memory_mask=None, cache=None, prefill=False, segments=None
+    ):
+        sublayers = 2 if self.cross_attention is None else 3
+        k1, k2, k3 = ([None] * 3 if key is None else [*jax.random.split(key, sublayers), None])[:3]
+        y, cache = self.attention(self._input(x, self.norm1), mask, positions, cache, prefill, segments)
+        x = self._add(x, y, self.norm1, k1, self.out_norm1)
+        if self.cross_attention is not None:
+            y = self.cross_attention(self._input(x, self.norm_cross), memory, memory_mask)
+            x = self._add(x, y, self.norm_cross, k3)
+        return self._add(x, self.mlp(self._input(x, self.norm2)), self.norm2, k2, self.out_norm2), cache
+
+    def _input(self, x: jax.Array, norm: Norm) -> jax.Array:
+        """What a sublayer reads: the normalized stream (pre-norm) or the stream itself (post-norm)."""
+        return x if self.post_norm else norm(x)
+
+    def _add(self, x: jax.Array, y: jax.Array, norm: Norm, key: jax.Array | None, out_norm: Norm | None = None):
+        """The residual sum with a sublayer's output y (normalized first in a sandwich),
+        normalized after it when post-norm."""
+        if out_norm is not None:
+            y = out_norm(y)
+        x = x + dropout(y, self.rate, key)
+        return norm(x) if self.post_norm else x
+
+
+class Transformer(nnx.Module):
+    """A stack of blocks: bidirectional (encoder) or causal (decoder) by `config.causal`, with
+    cross-attention over a memory (an encoder-decoder's decoder) by `cross_attention`."""
+
+    def __init__(self, config: ModelConfig, *, remat: bool = False, cross_attention: bool = False, rngs: nnx.Rngs):
+        self.config = config
+        self.cross_attention = cross_attention
+        self.position_embedding = (
+            nnx.Embed(config.max_len, config.d_model, rngs=rngs) if config.positions == "learned" else None
+        )
+        self.token_type_embedding = (
+            nnx.Embed(config.token_types, config.d_model, rngs=rngs) if config.token_types else None
+        )
+        self.embedding_norm = make_norm(config) if config.embedding_norm else None
+        self.blocks = nnx.List(
+            [Block(config, i, cross_attention=cross_attention, rngs=rngs) for i in range(config.num_layers)]
+        )
+        # Post-norm blocks end normalized already.
+        self.final_norm = make_norm(config) if config.norm_position != "post" else None
+        # Recompute each block's activations in the backward pass instead of storing them.
+        self.apply_block = nnx.remat(Block.__call__) if remat else Block.__call__
+
+    def __call__(
+        self,
+        x: jax.Array,
+        mask: jax.Array,
+        *,
+        memory: jax.Array | None = None,
+        memory_mask: jax.Array | None = None,
+        dropout_key: jax.Array | None = None,
+        token_types: jax.Array | None = None,
+        segments: jax.Array | None = None,
+    ) -> jax.Array:
+        """x [B, T, D] embedded inputs, mask [B, T] true at real positions -> [B, T, D]; with
+        cross-attention, over `memory` [B, S, D] whose `memory_mask` [B, S] marks real positions.
+        `token_types` [B, T] are the segments of a body with a token-type table (None: all 0, one
+        sentence, as BERT reads it). `segments` [B, T] number the examples packed in each row
+        (1, 2, ...): each attends within itself, at positions counted from its own start."""
+        self._check_memory(memory)
+        B, T, _ = x.shape
+        positions = jnp.broadcast_to(jnp.arange(T), (B, T))
+        if segments is not None:
+            starts = jnp.where(segments != jnp.pad(segments, ((0, 0), (1, 0)))[:, :-1], positions, 0)
+            positions = positions - jax.lax.cummax(starts, axis=1)
+        return self._run(x, mask, positions, dropout_key, None, False, memory, memory_mask, token_types, segments)[0]
+
+    def project_memory(self, memory: jax.Array, memory_mask: jax.Array) -> Memory:
+        """Every layer's cross-attention keys and values of `memory` [B, S, D], for a decoding
+        cache (`init_cache`): computed once per source, not at every new token."""
+        self._check_memory(memory)
+        return Memory(tuple(block.cross_attention.keys_values(memory) for block in self.blocks), memory_mask)
+
+    def init_cache(self, batch_size: int, max_len: int, dtype=jnp.float32, memory: Memory | None = None) -> Cache:
+        """An empty cache of `max_len` positions per row, holding `memory` (`project_memory`)
+        for a body with cross-attention. A sliding-window layer keeps only its window's slots
+        (a ring: `core.model.cache.KeyValues`): Gemma 3's five local layers of six hold 512 positions
+        whatever the context, which shrinks the cache and what each decode step reads."""
+        self._check_memory(memory)
+        c = self.config
+        layers = []
+        for i in range(len(self.blocks)):
+            window = c.window(i)
+            slots = max_len if window is None else min(max_len, window)
+            keys = (batch_size, c.key_value_heads, slots, c.head_dim)
+            values = (batch_size, c.key_value_heads, c.head_dim, slots)
+            layers.append(KeyValues(jnp.zeros(keys, dtype), jnp.zeros(values, dtype)))
+        return Cache(tuple(layers), jnp.zeros((batch_size,), jnp.int32), memory)
+
+    def prefill(self, x: jax.Array, mask: jax.Array, cache: Cache) -> tuple[jax.Array, Cache]:
+        """Right-padded prompts x [B, T, D], mask [B, T] -> hidden [B, T, D] and `cache` (empty,
+        at least T positions) holding their keys, with lengths = the real tokens of each row."""
+        self._check_memory(cache.memory)
+        B, T, _ = x.shape
+        positions = jnp.broadcast_to(jnp.arange(T), (B, T))
+        hidden, layers = self._run(x, mask, positions, None, cache.layers, True, cache.memory)
+        return hidden, Cache(layers, mask.sum(-1, dtype=jnp.int32), cache.memory)
+
+    def extend(self, x: jax.Array, cache: Cache) -> tuple[jax.Array, Cache]:
+        """New tokens x [B, T, D] that follow each row's cached ones -> hidden [B, T, D] and the
+        cache holding them too. Row b's tokens take positions lengths[b] .. lengths[b] + T - 1."""
+        self._check_memory(cache.memory)
+        B, T, _ = x.shape
+        positions = cache.lengths[:, None] + jnp.arange(T)[None, :]
+        hidden, layers = self._run(x, None, positions, None, cache.layers, False, cache.memory)
+        return hidden, Cache(layers, cache.lengths + T, cache.memory)
+
+    def _check_memory(self, memory) -> None:
+        if (memory is None) == self.cross_attention:
+            raise ValueError(
+                "A body with cross-attention needs a memory; one without takes none"
+                f" (cross_attention={self.cross_attention}, memory given: {memory is not None})."
+            )
+
+    def _run(
+        self,
+        x,
+        mask,
+        positions,
+        dropout_key,
+        caches,
+        prefill,
+        memory=None,
+        memory_mask=None,
+        token_types=None,
+        segments=None,
+    ):
+        """`memory` is the encoder's outputs [B, S, D] with `memory_mask` (training), or a
+        `Memory` with each layer's keys and values (decoding); None without cross-attention."""
+        if self.config.embedding_scale:
+            x = x * jnp.asarray(self.config.d_model**0.5, x.dtype)
+        if self.position_embedding is not None:
+            x = x + self.position_embedding(positions).astype(x.dtype)
+        elif self.config.positions == "sinusoidal":
+            x = x + sinusoids(positions, x.shape[-1]).astype(x.dtype)
+        if self.token_type_embedding is not None:
+            if token_types is None:
+                token_types = jnp.zeros(positions.shape, jnp.int32)
+            x = x + self.token_type_embedding(token_types).astype(x.dtype)
+        if self.embedding_norm is not None:
+            x = self.embedding_norm(x)
+        x = dropout(x, self.config.dropout, dropout_key)
+        layers = []
+        for i, block in enumerate(self.blocks):
+            if caches is None:
+                key = None if dropout_key is None else jax.random.fold_in(dropout_key, i + 1)
+                x, _ = self.apply_block(block, x, mask, positions, key, memory, memory_mask, None, False, segments)
+            else:
+                # No backward pass when decoding, so nothing to rematerialize.
+                layer_memory = None if memory is None else memory.layers[i]
+                mask_memory = None if memory is None else memory.mask
+                x, layer = block(x, mask, positions, None, layer_memory, mask_memory, caches[i], prefill)
+                layers.append(layer)
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        return x, None if caches is None else tuple(layers)
+
+
+class Model(nnx.Module):
+    """A task's embedder (its front end), the shared body and the task's head: batch -> outputs.
+
+    The front end maps (inputs, mask) to (x [B, T', D], mask [B, T']): token embeddings keep
+    the length, a strided convolution over speech frames shortens it and returns the mask of
+    the frames it kept. The body and the head see the front end's mask.
+    """
+
+    # The parts that another run's weights fill (`--init-from`, as Hugging Face's
+    # `base_model_prefix` names them): the front end and the body; the head is the task's own.
+    transferred: ClassVar[tuple[str, ...]] = ("embedder", "body")
+
+    def __init__(self, embedder: nnx.Module, body: Transformer, head: nnx.Module):
+        self.embedder = embedder
+        self.body = body
+        self.head = head
+
+    def __call__(self, batch: dict, *, dropout_key: jax.Array | None = None):
+        """`batch["segments"]`, where a task packs several examples into a row (see
+        `Transformer.__call__`), keeps them apart."""
+        x, mask = self.embedder(batch["inputs"], batch["mask"])
+        hidden = self.body(x, mask, dropout_key=dropout_key, segments=batch.get("segments"))
+        return self.head(hidden, mask)

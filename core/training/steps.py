@@ -1,0 +1,341 @@
+"""The jitted train and eval steps and the fit loop.
+
+The hot loop is functional: the model is split once into a static graph and a pure dict of
+parameters; each step merges them inside `jax.jit`, so one compiled program covers forward,
+backward, gradient accumulation and the optimizer update. The training state is donated to the
+step so XLA updates parameters in place.
+
+`fit` only runs the steps; what happens between them (the metrics.jsonl record and its loss
+guard, validation and the best checkpoint, checkpoints, the progress bar) is core/training/hooks.py's,
+each job a hook with its cadence.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh
+from rich.console import Console
+
+from core import metrics as metrics_lib
+from core.checkpoints import pretrained
+from core.config import Config, TrainConfig
+from core.errors import UserError
+from core.model import lora
+from core.model.precision import products_in
+from core.task import Task
+from core.training import data as data_lib
+from core.training import sharding, transfer
+from core.training.checkpoints import Checkpoints
+from core.training.hooks import (
+    Hooks,
+    KeepBest,
+    Logger,
+    LogLoss,
+    Preemption,
+    SaveCheckpoint,
+    ShowProgress,
+    StepInfo,
+    Window,
+)
+from core.training.optim import optimizer
+
+State = dict[str, Any]
+log = logging.getLogger("apps")
+
+
+def build_model(task: Task, featurizer, config: Config, *, from_pretrained: bool = False) -> nnx.Module:
+    """The task's model (its `model` hook). `from_pretrained` (a new run's start): the parameters
+    that the checkpoint `config.model.pretrained` or the run `config.model.init_from` holds take
+    its weights; a run being loaded restores its own."""
+    model = task.model(featurizer, config, nnx.Rngs(config.train.seed))
+    if from_pretrained and config.model.pretrained is not None:
+        log.info(pretrained.load(model, config.model.pretrained).summary())
+    if from_pretrained and config.model.init_from is not None:
+        log.info(transfer.init_from(model, config.model.init_from).summary())
+    return model
+
+
+def cast_for_compute(params: Any, dtype: str) -> Any:
+    """The parameters in the compute dtype; the float32 masters stay in the optimizer state."""
+    if dtype == "float32":
+        return params
+    return jax.tree.map(lambda p: p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p, params)
+
+
+@dataclass
+class Steps:
+    """The compiled programs of one run and its sharded initial state: {"params"} for eval and
+    predict, or {"params", "opt_state", "step"} with a `train_step` for training. `params` are
+    the trained parameters; with LoRA the checkpoint's own weights are `frozen` apart
+    (core/model/lora.py), which the steps read without being given them."""
+
+    graphdef: Any
+    state: State
+    train_step: Callable[[State, dict], tuple[State, dict]] | None
+    eval_step: Callable[[Any, dict], tuple[dict, dict]]
+    mesh: Mesh
+    frozen: Any = None
+
+    def model(self, params: Any) -> nnx.Module:
+        """The model holding `params` (as the state and the checkpoints hold them) and the frozen part."""
+        return nnx.merge(self.graphdef, lora.join(params, self.frozen))
+
+
+class _Bound:
+    """A compiled step with the frozen parameters bound as its second argument: called (and
+    lowered, for inspection) as step(first, batch)."""
+
+    def __init__(self, jitted: Callable, frozen: Any):
+        self.jitted, self.frozen = jitted, frozen
+
+    def __call__(self, first, batch):
+        return self.jitted(first, self.frozen, batch)
+
+    def lower(self, first, batch):
+        return self.jitted.lower(first, self.frozen, batch)
+
+    def compiled(self, first, batch) -> _Bound:
+        """The step compiled ahead of time for these arguments' shapes (a benchmark times the
+        compilation apart), still called as step(first, batch)."""
+        return _Bound(self.lower(first, batch).compile(), self.frozen)
+
+
+def make_steps(
+    task: Task,
+    model: nnx.Module,
+    config: Config,
+    total_steps: int,
+    devices: list | None = None,
+    *,
+    training: bool = True,
+) -> Steps:
+    train = config.train
+    mesh = sharding.make_mesh(train.fsdp, devices)
+    graphdef, params = nnx.split(model)
+    params, frozen = lora.split(nnx.to_pure_dict(params), config.model, type(model).transferred)
+    frozen = sharding.place_params(mesh, frozen)
+    forward = _forward(graphdef, train.compute_dtype)
+    eval_step = _Bound(jax.jit(_in_products(_eval_step(task, forward), train.matmul_dtype)), frozen)
+
+    if not training:
+        state = sharding.place_params(mesh, {"params": params})
+        return Steps(graphdef, state, None, eval_step, mesh, frozen)
+
+    tx = optimizer(config.optim, total_steps)
+    # Optimizer moments follow their parameter's placement: the rule depends on shape alone.
+    state = {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
+    state = sharding.place_params(mesh, state)
+    state_sharding = jax.tree.map(lambda x: x.sharding, state)
+    train_step = _in_products(_train_step(task, forward, tx, train), train.matmul_dtype)
+    batch_sharding = sharding.batch_sharding(mesh)
+    jitted = jax.jit(
+        train_step,
+        in_shardings=(state_sharding, jax.tree.map(lambda x: x.sharding, frozen), batch_sharding),
+        out_shardings=(state_sharding, sharding.replicated(mesh)),
+        donate_argnums=0,
+    )
+    return Steps(graphdef, state, _Bound(jitted, frozen), eval_step, mesh, frozen)
+
+
+def _forward(graphdef: Any, compute_dtype: str) -> Callable:
+    """forward(params, frozen, batch, key) -> the model's outputs, computed in `compute_dtype`."""
+
+    def forward(params, frozen, batch, key):
+        model = nnx.merge(graphdef, cast_for_compute(lora.join(params, frozen), compute_dtype))
+        return model(batch, dropout_key=key)
+
+    return forward
+
+
+def _in_products(step: Callable, dtype: str) -> Callable:
+    """`step` with its products in `dtype` (`products_in`), entered where jit traces it."""
+
+    @functools.wraps(step)
+    def in_products(*args):
+        with products_in(dtype):
+            return step(*args)
+
+    return in_products
+
+
+def _eval_step(task: Task, forward: Callable) -> Callable:
+    """eval_step(params, frozen, batch) -> (the streamed metrics and loss, the decoded predictions)."""
+
+    def eval_step(params, frozen, batch):
+        outputs = forward(params, frozen, batch, None)
+        streamed = dict(task.metrics(outputs, batch))
+        streamed["loss"] = task.loss(outputs, batch)
+        return streamed, task.decode(outputs, batch)
+
+    return eval_step
+
+
+def _gradients(task: Task, forward: Callable, grad_accum: int) -> Callable:
+    """gradients(params, frozen, batch, key) -> (the gradients of the loss sum with respect to
+    `params`, the sum, its weight), summed over `grad_accum` microbatches of the batch."""
+
+    def loss_sum(params, frozen, batch, key):
+        return task.loss(forward(params, frozen, task.augment_on_device(batch), key), batch)
+
+    # loss_sum returns (sum, weight): the sum is differentiated, the weight rides along.
+    grad_fn = jax.value_and_grad(loss_sum, has_aux=True)
+
+    def gradients(params, frozen, batch, key):
+        if grad_accum == 1:
+            (total, weight), grads = grad_fn(params, frozen, batch, key)
+            return grads, total, weight
+        # Microbatch a takes rows a, a + A, a + 2A, ...: every device keeps its own rows.
+        steps = grad_accum
+        micro = jax.tree.map(lambda x: x.reshape(x.shape[0] // steps, steps, *x.shape[1:]).swapaxes(0, 1), batch)
+
+        def body(carry, inputs):
+            index, microbatch = inputs
+            (total, weight), grads = grad_fn(params, frozen, microbatch, jax.random.fold_in(key, index))
+            return jax.tree.map(jnp.add, carry, (grads, total, weight)), None
+
+        zeros = (jax.tree.map(jnp.zeros_like, params), jnp.zeros(()), jnp.zeros(()))
+        return jax.lax.scan(body, zeros, (jnp.arange(steps), micro))[0]
+
+    return gradients
+
+
+def _train_step(task: Task, forward: Callable, tx: optax.GradientTransformation, train: TrainConfig) -> Callable:
+    """train_step(state, frozen, batch) -> (the state after one optimizer update, {"loss", "grad_norm"},
+    and "stop" when the batch has a "stop" column: whether any process asked the run to stop)."""
+    gradients = _gradients(task, forward, train.grad_accum)
+    base_key = jax.random.key(train.seed)
+
+    def train_step(state, frozen, batch):
+        # Each process's rows carry its stop request (`Preemption`): their maximum is one more
+        # reduction in the step's own collectives, so every process learns of a signal to any.
+        stop = batch.get("stop")
+        batch = {key: value for key, value in batch.items() if key != "stop"}
+        params = state["params"]
+        grads, total, weight = gradients(params, frozen, batch, jax.random.fold_in(base_key, state["step"]))
+        # Sums over the global batch divided by its true weight: exact under any sharding.
+        weight = jnp.maximum(weight, 1e-9)
+        grads = jax.tree.map(lambda g: g / weight, grads)
+        updates, opt_state = tx.update(grads, state["opt_state"], params)
+        new_state = {"params": optax.apply_updates(params, updates), "opt_state": opt_state, "step": state["step"] + 1}
+        logs = {"loss": total / weight, "grad_norm": optax.tree.norm(grads)}
+        return new_state, logs if stop is None else {**logs, "stop": jnp.max(stop)}
+
+    return train_step
+
+
+def evaluate_arrays(
+    steps: Steps, params: Any, arrays: data_lib.Arrays, batch_size: int
+) -> tuple[dict[str, float], dict[str, np.ndarray]]:
+    """Streamed metrics over a whole split, and the decoded predictions of its real rows."""
+    data_lib.check_batch_size(batch_size, "train.eval_batch_size")
+    total, decoded = None, []
+    place = lambda batch: sharding.global_batch(steps.mesh, batch)  # noqa: E731
+    for batch in data_lib.prefetch(data_lib.eval_batches(arrays, batch_size), place):
+        streamed, predictions = steps.eval_step(params, batch)
+        total = metrics_lib.add(total, streamed)
+        decoded.append(
+            jax.tree.map(lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)), predictions)
+        )
+    count = data_lib.size(arrays)
+    predictions = {key: np.concatenate([d[key] for d in decoded])[:count] for key in decoded[0]}
+    return metrics_lib.finish(total), predictions
+
+
+def fit(
+    task: Task,
+    featurizer,
+    config: Config,
+    steps: Steps,
+    train_arrays: data_lib.Arrays,
+    validate: Callable[[Any], dict[str, float]],
+    workdir: Path,
+    console: Console,
+) -> dict[str, float]:
+    """Trains from the latest readable checkpoint in `workdir` (or from scratch) to `train.steps`.
+
+    Calls `validate(params)` every `train.eval_every` steps and at the end, keeps the parameters
+    with the best `task.best_metric` (in the task's direction) in `best/`, and saves the latest
+    state every `train.checkpoint_every` steps. Returns the last validation metrics.
+    """
+    train = config.train
+    checkpoints = Checkpoints(workdir)
+    logger = Logger(workdir)
+    state, start = steps.state, 0
+    restored = checkpoints.restore_training(state)
+    if restored is not None:
+        state, start = restored.value, restored.step
+        console.print(f"Resuming from {restored.where} in {workdir}.")
+    keep_best = KeepBest(validate, checkpoints, logger, workdir, task.best_metric, task.lower_is_better, console)
+    window, preemption = Window(), Preemption(console)
+    batches = _placed_batches(task, featurizer, steps.mesh, train_arrays, train, start, window, preemption)
+    log_loss = LogLoss(window, logger)
+    progress = ShowProgress(console, train.steps, log_loss)
+    save = SaveCheckpoint(checkpoints, workdir, start if restored is not None else None)
+    hooks = Hooks(train.steps, window)
+    hooks.add(window.add, every=1)
+    hooks.add(log_loss, every=train.log_every)
+    hooks.add(progress, every=train.log_every)
+    hooks.add(keep_best, every=train.eval_every, pauses=True)
+    hooks.add(save, every=train.checkpoint_every, pauses=True)
+    step = start
+    try:
+        # Every step, validation and save runs collectives: a lost process fails whichever comes next.
+        with sharding.lost_peers(save.resume_advice), progress.shown(start), preemption:
+            window.restart()
+            asked = None  # the previous step's verdict on a stop request, read once this one is queued
+            while step < train.steps:
+                state, logs = steps.train_step(state, next(batches))
+                step += 1
+                hooks.run(StepInfo(step, state, logs))
+                # Every process reads the same verdict after the same step, so all stop at one step
+                # and save it together; reading the previous step's never leaves the devices idle.
+                if asked is not None:
+                    sharding.wait(asked)  # a lost peer's failure is raised at once, not hung on
+                    if int(asked) and step < train.steps:
+                        if save.saved != step:
+                            save(StepInfo(step, state, logs))
+                        by = preemption.requested() or "a signal to another process of the run"
+                        raise UserError(f"Stopped by {by} at step {step}. {save.resume_advice()}")
+                asked = logs["stop"]
+    except KeyboardInterrupt:  # a SIGINT outside the steps (while compiling, say)
+        raise UserError(f"Interrupted at step {step}. {save.resume_advice()}") from None
+    finally:
+        checkpoints.close()
+    return keep_best.metrics
+
+
+def _placed_batches(
+    task: Task,
+    featurizer,
+    mesh: Mesh,
+    arrays: data_lib.Arrays,
+    train: TrainConfig,
+    start: int,
+    window: Window,
+    preemption: Preemption,
+) -> Iterator[dict]:
+    """The training batches from step `start` on, placed on the devices ahead of the steps; the
+    `window` counts the examples and tokens of each, and a "stop" column carries whether this
+    process was asked to stop by the time the batch was placed."""
+
+    def place(batch):
+        tokens = sum(int(batch[key].sum()) for key in task.token_masks)
+        window.placed(len(batch["weights"]) * jax.process_count(), tokens * jax.process_count())
+        stop = np.full(len(batch["weights"]), preemption.requested() is not None, np.int32)
+        return sharding.global_batch(mesh, {**batch, "stop": stop})
+
+    augment = functools.partial(task.augment, featurizer=featurizer)
+    batches = data_lib.train_batches(arrays, train.batch_size, train.seed, start, augment, task.trim)
+    return data_lib.prefetch(batches, place)
