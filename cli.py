@@ -513,9 +513,10 @@ def serve(
     import uvicorn
 
     import tasks
+    from core.serving import models
     from core.serving import server as server_lib
 
-    served = server_lib.load(
+    served = models.load(
         list(workdir or []),
         list(model or []),
         tasks.get,

@@ -217,7 +217,7 @@ def main(
     other one; `seconds` of load per client count."""
     if any(c < 1 for c in clients):
         raise UserError("--clients: each count must be at least 1.")
-    from core.serving.server import served_name
+    from core.serving.models import served_name
 
     name = served_name(model=model, workdir=workdir)  # what each request names
     source = ["--model", model] if workdir is None else ["--workdir", str(workdir)]

@@ -36,6 +36,7 @@ from core.checkpoints import pretrained
 from core.config import Config, DataConfig, OptimConfig, TrainConfig, modern_blocks, require, tiny_preset
 from core.errors import UserError
 from core.generation import penalties
+from core.generation.detokenize import Detokenizer
 from core.model.heads import Projection, TiedOutput, TokenEmbedder
 from core.run import Predictor
 from core.task import PredictOption, Task, final, scored_positions
@@ -423,16 +424,14 @@ class _Stream:
     """Turns the first row's new tokens, as the decode loop produces them, into new text."""
 
     def __init__(self, featurizer: LMFeaturizer, prompt: Sequence[int], on_text, stops: Sequence[int]):
-        self.featurizer, self.prompt, self.on_text, self.stops = featurizer, prompt, on_text, set(stops)
-        self.ids, self.text = [], ""
+        self.text_of, self.on_text, self.stops = Detokenizer(featurizer.continuation, prompt), on_text, set(stops)
+        self.text = ""
 
     def __call__(self, tokens: np.ndarray, active: np.ndarray) -> None:
         if not active[0] or int(tokens[0]) in self.stops:
             return
-        self.ids.append(int(tokens[0]))
-        text = self.featurizer.continuation(self.prompt, self.ids)
-        # A piece may end inside a character that byte fallback spells over several pieces.
-        if not text.endswith("\ufffd"):
+        text = self.text_of.add(int(tokens[0]))
+        if text is not None:
             self.on_text(text[len(self.text) :])
             self.text = text
 

@@ -1,0 +1,101 @@
+"""What the server's HTTP layer speaks: OpenAI-shaped errors and the request bodies it accepts.
+
+Errors are {"error": {"message", "type", "param", "code"}} with the request's status; bodies are
+pydantic models that refuse unknown fields, so that a misspelt option is a 400 naming it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Literal
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from core.errors import UserError
+
+log = logging.getLogger("apps")
+
+
+class ApiError(Exception):
+    """A request's failure as its status and OpenAI-shaped body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+    def response(self, headers: dict | None = None) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
+        return JSONResponse(body, status_code=self.status, headers=headers)
+
+
+async def within(awaitable, timeout: float):
+    """`awaitable`'s result within `timeout` seconds, its failures as the request's status: 504
+    past the time, 400 for a UserError, 500 for anything else inside the model."""
+    try:
+        return await asyncio.wait_for(awaitable, timeout)
+    except TimeoutError:
+        raise ApiError(
+            504, f"The request took longer than the server's {timeout:g} s timeout.", kind="timeout"
+        ) from None
+    except UserError as error:
+        raise ApiError(400, str(error)) from None
+    except ApiError:
+        raise
+    except Exception as error:
+        log.exception("A request failed inside the model.")
+        raise ApiError(
+            500, f"The model failed on this request ({type(error).__name__}: {error}).", kind="server_error"
+        ) from None
+
+
+class Strict(BaseModel):
+    """A request body whose unknown fields are refused: a misspelt option should not pass silently."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class PredictBody(Strict):
+    inputs: list[str] = Field(min_length=1)
+    options: dict[str, Any] = Field(default_factory=dict)
+    model: str | None = None
+
+
+class Message(Strict):
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False  # a last chunk with the token counts, before [DONE]
+
+
+class Sampling(Strict):
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0, le=2)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    n: int = Field(default=1, ge=1, le=16)
+    stream: bool = False
+    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=0, lt=2**32)
+    # As vLLM's and llama-cpp-python's servers take it: the model's end tokens cannot be drawn
+    # before this many new tokens (min_tokens = max_tokens fixes a load benchmark's output lengths).
+    min_tokens: int = Field(default=0, ge=0)
+    user: str | None = None
+    stream_options: StreamOptions | None = None
+
+    def stops(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > 4 or any(not s for s in stops):
+            raise ApiError(400, "stop: at most 4 sequences, none empty.", "stop")
+        return stops
+
+
+class CompletionBody(Sampling):
+    prompt: str | list[str]
+
+
+class ChatBody(Sampling):
+    messages: list[Message] = Field(min_length=1)

@@ -1,0 +1,235 @@
+"""OpenAI's completions and chat completions over a language model's generation engine.
+
+A request's prompts (each `n` times) become requests of the slot engine (`core.generation.slots`),
+which runs them continuously batched with every other request's; each choice is a `Choice` that
+turns the tokens the engine emits into text (`core.generation.detokenize`), cuts it at the
+first stop sequence and keeps its finish reason. The answer is one JSON body, or server-sent
+events as the text comes (`stream`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi.responses import StreamingResponse
+
+from core.generation.detokenize import Detokenizer
+from core.generation.slots import QueueFull
+from core.generation.slots import Request as Generation
+from core.serving.api import ApiError, Sampling, within
+from core.serving.metrics import Metrics
+from core.serving.models import Served
+
+
+class Completions:
+    """Answers completion requests for the served language models, counting into `metrics`."""
+
+    def __init__(self, metrics: Metrics, timeout: float):
+        self.metrics, self.timeout = metrics, timeout
+
+    async def answer(self, served: Served, body: Sampling, prompts: list[list[int]], kind: str):
+        """The response to `body` (of `kind` "text_completion" or "chat.completion") for the
+        tokenized `prompts`: a JSON body, or an event stream."""
+        choices = self._submit(served, body, prompts, kind)
+        chat = kind == "chat.completion"
+        ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        prompt_tokens = sum(len(p) for p in prompts)
+        if body.stream:
+            usage = prompt_tokens if body.stream_options is not None and body.stream_options.include_usage else None
+            return _EventStream(self._events(served, choices, ident, chat, usage), media_type="text/event-stream")
+        try:
+            await within(asyncio.gather(*(c.finished for c in choices)), self.timeout)
+        finally:
+            for choice in choices:
+                choice.request.cancel()  # a timed-out or failed request frees its slot
+        self._count(served, choices)
+        return {
+            "id": ident,
+            "object": kind,
+            "created": int(time.time()),
+            "model": served.name,
+            "choices": [
+                {"index": c.index, "finish_reason": c.reason, "logprobs": None}
+                | ({"message": {"role": "assistant", "content": c.text}} if chat else {"text": c.text})
+                for c in choices
+            ],
+            "usage": _usage(prompt_tokens, choices),
+        }
+
+    def _submit(self, served: Served, body: Sampling, prompts: list[list[int]], kind: str) -> list[Choice]:
+        """Every choice of the request, its generation queued in the engine (or none: a 503)."""
+        engine, stops = served.engine, body.stops()
+        max_new = _max_new_tokens(engine.context, body, prompts, kind)
+        seed = body.seed if body.seed is not None else secrets.randbits(31)
+        events: asyncio.Queue = asyncio.Queue()  # every choice's new text, as it comes (for streaming)
+        loop = asyncio.get_running_loop()
+        featurizer = served.predictor.featurizer
+        choices = []
+        for index in range(len(prompts) * body.n):
+            choice = Choice(featurizer.continuation, prompts[index // body.n], stops, index, events, loop)
+            choice.request = Generation(
+                choice.prompt,
+                max_new,
+                choice.emit,
+                temperature=body.temperature,
+                top_p=body.top_p,
+                seed=(seed + index) % 2**32,
+                stop_ids=frozenset(featurizer.tokenizer.stop_ids),
+                min_new=body.min_tokens,
+            )
+            choices.append(choice)
+        try:
+            for choice in choices:
+                engine.submit(choice.request)
+        except QueueFull:
+            for choice in choices:
+                choice.request.cancel()
+            raise ApiError(503, "The server is at capacity: retry shortly.", kind="overloaded") from None
+        self.metrics.queue.labels(served.name).set(engine.waiting.qsize())
+        return choices
+
+    def _count(self, served: Served, choices: list[Choice]) -> None:
+        self.metrics.tokens.labels(served.name).inc(sum(len(c.text_of.ids) for c in choices))
+        for choice in choices:
+            if choice.first is not None:
+                self.metrics.first_token.labels(served.name).observe(choice.first)
+
+    async def _events(
+        self, served: Served, choices: list[Choice], ident: str, chat: bool, prompt_tokens: int | None
+    ) -> AsyncIterator[str]:
+        """Server-sent events: a chunk per piece of new text of any choice, a last chunk per
+        choice with its finish reason, a chunk of the token counts when `prompt_tokens` is given
+        (stream_options.include_usage), then [DONE]. A client that goes away cancels them all."""
+        head = {"id": ident, "object": "chat.completion.chunk" if chat else "text_completion"}
+        head |= {"created": int(time.time()), "model": served.name}
+        events, open_choices, counted = choices[0].events, len(choices), False
+        try:
+            if chat:
+                for choice in choices:
+                    role = {"role": "assistant", "content": ""}
+                    yield _event(head | {"choices": [{"index": choice.index, "delta": role, "finish_reason": None}]})
+            while open_choices:
+                try:
+                    index, text, reason = await asyncio.wait_for(events.get(), self.timeout)
+                except TimeoutError:
+                    yield _event({"error": {"message": "timed out", "type": "timeout", "param": None, "code": 504}})
+                    return
+                if reason is not None:
+                    open_choices -= 1
+                content = {"delta": {"content": text} if text else {}} if chat else {"text": text}
+                yield _event(
+                    head | {"choices": [{"index": index, **content, "finish_reason": reason, "logprobs": None}]}
+                )
+            self._count(served, choices)  # before the end reaches the client, who may read the metrics next
+            counted = True
+            if prompt_tokens is not None:
+                yield _event(head | {"choices": [], "usage": _usage(prompt_tokens, choices)})
+            yield "data: [DONE]\n\n"
+        finally:
+            for choice in choices:
+                choice.request.cancel()
+            if not counted:  # cut off, timed out or failed: what was made still counts
+                self._count(served, choices)
+
+
+def _max_new_tokens(context: int, body: Sampling, prompts: list[list[int]], kind: str) -> int:
+    """The request's max_tokens, checked against the room its longest prompt leaves in a slot
+    (OpenAI's default: 16 for a completion, the rest of the context for a chat)."""
+    room = context - max(len(p) for p in prompts)
+    max_new = body.max_tokens if body.max_tokens is not None else min(room, 16 if kind == "text_completion" else room)
+    if room < 1 or max_new > room:
+        raise ApiError(
+            400,
+            f"max_tokens: the prompt takes {context - room} of the {context} positions of the "
+            f"context, which leaves {max(room, 0)} for new tokens.",
+            "max_tokens",
+        )
+    if body.min_tokens > max_new:
+        raise ApiError(400, f"min_tokens: {body.min_tokens} is more than max_tokens ({max_new}).", "min_tokens")
+    return max_new
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events that close their generator however the response ends. Starlette leaves
+    a generator cut off at a `yield` (the client gone while a chunk was being sent) to garbage
+    collection, which may come much later: till then its finally block, which frees the slots and
+    counts the tokens, would not run."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+def _usage(prompt_tokens: int, choices: list[Choice]) -> dict[str, int]:
+    completion_tokens = sum(len(c.text_of.ids) for c in choices)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+class Choice:
+    """One choice: its tokens as the engine emits them (on the engine's thread, handed to the
+    event loop), turned into text, cut at the first stop sequence, with its finish reason. Each
+    change goes to `events` as (index, new text, finish reason)."""
+
+    def __init__(self, continuation, prompt: list[int], stops: list[str], index: int, events, loop):
+        self.prompt, self.stops, self.index, self.events, self.loop = prompt, stops, index, events, loop
+        self.text_of = Detokenizer(continuation, prompt)
+        self.text, self.sent, self.reason = "", 0, None
+        self.first: float | None = None
+        self.request: Generation | None = None
+        self.finished: asyncio.Future = loop.create_future()
+        self._started = time.perf_counter()
+
+    def emit(self, token: int | None, reason: str | None) -> None:  # on the engine's thread
+        self.loop.call_soon_threadsafe(self._take, token, reason)
+
+    def _take(self, token: int | None, reason: str | None) -> None:
+        if self.reason is not None:
+            return
+        if token is not None:
+            if self.first is None:
+                self.first = time.perf_counter() - self._started
+            text = self.text_of.add(token)
+            if text is None:
+                return  # the rest of a character is still to come
+            cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
+            if cut < 0:
+                self._send(text, None)
+                return
+            self.request.cancel()
+            self._send(text[:cut], "stop")
+            return
+        if reason.startswith("error"):
+            self._fail(reason)
+            return
+        self._send(self.text_of.text(), "length" if reason == "length" else "stop")
+
+    def _send(self, text: str, reason: str | None) -> None:
+        new = text[self.sent :]
+        self.text, self.sent = text, len(text)
+        if reason is not None:
+            self.reason = reason
+        if new or reason is not None:
+            self.events.put_nowait((self.index, new, reason))
+        if reason is not None and not self.finished.done():
+            self.finished.set_result(None)
+
+    def _fail(self, reason: str) -> None:
+        self.reason = "error"
+        self.events.put_nowait((self.index, "", "error"))
+        if not self.finished.done():
+            self.finished.set_exception(RuntimeError(reason))

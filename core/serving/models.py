@@ -1,0 +1,125 @@
+"""What a server serves: trained runs and shipped checkpoints, each loaded once.
+
+A `Served` model is a `core.run.Predictor` with its worker thread (predictions run off the event
+loop, one at a time per model), its predict `Batcher` and, for a language model (a task that
+`completes`), a generation `Engine` of `--max-batch` slots over one KV cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from core.errors import UserError
+from core.generation.slots import Engine
+from core.serving.api import ApiError
+from core.serving.batcher import Batcher
+
+
+@dataclass
+class Served:
+    """One model: a trained run or a checkpoint, loaded once (`core.run.Predictor`), with its
+    worker thread, its predict batcher and, for a language model, its generation engine."""
+
+    name: str
+    predictor: Any
+    engine: Engine | None = None
+    worker: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1))
+    batcher: Batcher | None = None
+
+    @property
+    def task(self):
+        return self.predictor.task
+
+    def rows(self, groups: list[list[dict]], values: dict[str, Any]) -> list[list[dict]]:
+        """Each request's rows, its examples run with every other request's in one call. The
+        predictions hold an entry per example (`core.run.Predictor.run_examples`), so each
+        request's share is cut out and rendered apart (a task may render several rows an
+        example: recsys, one per recommended item)."""
+        examples = [e for group in groups for e in group]
+        predictions = self.predictor.run_examples(examples, values)
+        bounds = np.cumsum([0, *(len(group) for group in groups)])
+        return [
+            self.task.render({k: v[a:b] for k, v in predictions.items()}, group, self.predictor.featurizer)
+            for group, a, b in zip(groups, bounds, bounds[1:])
+        ]
+
+
+def typed_options(task, given: dict[str, Any]) -> dict[str, Any]:
+    """A predict request's options by name, checked against the task's declared types."""
+    declared = {option.name: option for option in task.predict_options}
+    values = {name: option.default for name, option in declared.items()}
+    for name, value in given.items():
+        option = declared.get(name)
+        if option is None:
+            names = ", ".join(declared) or "none"
+            raise ApiError(
+                400, f"options.{name}: {task.name} takes no such option; its options: {names}.", f"options.{name}"
+            )
+        expected = (int, float) if option.type is float else option.type
+        if isinstance(value, bool) != (option.type is bool) or not isinstance(value, expected):
+            if not (value is None and option.default is None):
+                raise ApiError(
+                    400, f"options.{name}: expected {option.type.__name__}, got {value!r}.", f"options.{name}"
+                )
+        values[name] = value
+    return values
+
+
+def load(
+    workdirs: list[Path],
+    models: list[str],
+    task_named: Callable[[str], type],
+    decoder_task: type,
+    *,
+    slots: int,
+    context: int | None,
+    queue: int,
+    dtype: str = "float32",
+) -> list[Served]:
+    """The served models: each run of `workdirs` (its task read from its config.json and found
+    by `task_named`, the registry's lookup) and each pretrained decoder of `models` (served by
+    `decoder_task`, which `completes`), loaded and, for a language model, given an engine whose
+    weights are in `dtype` (`core.model.precision.narrowed`)."""
+    from core import run
+    from core.training.checkpoints import read_json
+
+    served = []
+    for workdir in workdirs:
+        config = Path(workdir) / "config.json"
+        if not config.is_file():
+            raise UserError(f"{workdir} holds no trained run (no config.json).")
+        name = read_json(config, "train the run again into a new --workdir.").get("task")
+        predictor = run.Predictor(task_named(name), workdir)
+        served.append(Served(served_name(workdir=workdir), predictor, _engine(predictor, slots, context, queue, dtype)))
+    for model in models:
+        predictor = run.Predictor(decoder_task, model=model)
+        served.append(Served(served_name(model=model), predictor, _engine(predictor, slots, context, queue, dtype)))
+    return served
+
+
+def served_name(*, model: str | None = None, workdir: str | Path | None = None) -> str:
+    """The name a served model answers to (`"model"` in requests, GET /v1/models): a run's
+    folder name, or a checkpoint's name or file name."""
+    return Path(workdir).resolve().name if workdir is not None else Path(model).name
+
+
+DEFAULT_CONTEXT = 2048
+
+
+def _engine(predictor, slots: int, context: int | None, queue: int, dtype: str) -> Engine | None:
+    """A generation engine for a language model (a task that `completes`), its slots `context` positions
+    long (default: the model's, at most DEFAULT_CONTEXT: each slot's cache is that long), at
+    most `queue` requests waiting; None for any other task."""
+    if not predictor.task.completes:
+        return None
+    limit = predictor.task.config.model.max_len
+    if context is not None and not 2 <= context <= limit:
+        raise UserError(f"--context {context}: must be from 2 to the model's {limit} positions.")
+    context = context or min(limit, DEFAULT_CONTEXT)
+    return Engine(predictor.model, slots=slots, context=context, queue_size=queue, dtype=dtype)
