@@ -9,17 +9,16 @@ are rejected with the valid ones listed.
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import math
-import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from core.errors import UserError
+from core.values import checked, parse_literal
 
-# The linear layers that LoRA adapters may wrap, by their names in core/model/transformer.py.
+# The linear layers that LoRA adapters may wrap, by their names in core/model/layers.py.
 LORA_TARGETS = ("qkv", "out", "up", "down")
 
 
@@ -97,6 +96,11 @@ class ModelConfig:
     lora_targets: tuple[str, ...] = ("qkv", "out", "up", "down")
 
     def __post_init__(self):
+        self._check_shape()
+        self._check_weights()
+
+    def _check_shape(self) -> None:
+        """The architecture's rules: sizes, heads, windows, positions, dropout, norms."""
         for key in ("d_model", "num_layers", "num_heads", "mlp_dim", "max_len"):
             require(getattr(self, key) > 0, f"model.{key}", getattr(self, key), "must be positive")
         if self.head_size is None:
@@ -137,6 +141,9 @@ class ModelConfig:
         require(0 <= self.dropout < 1, "model.dropout", self.dropout, "must be in [0, 1)")
         require(0 < self.norm_epsilon < 0.1, "model.norm_epsilon", self.norm_epsilon, "must be in (0, 0.1)")
         require(self.token_types >= 0, "model.token_types", self.token_types, "must be >= 0 (0: no token types)")
+
+    def _check_weights(self) -> None:
+        """Where the weights come from: a checkpoint, another run, LoRA adapters, the head's start."""
         if self.pretrained is not None:
             require(bool(self.pretrained.strip()), "model.pretrained", self.pretrained, "must name a checkpoint")
         if self.init_from is not None:
@@ -186,14 +193,6 @@ class ModelConfig:
         if self.window(layer) is not None and self.rope_local_base is not None:
             return self.rope_local_base
         return self.rope_base
-
-
-def modern_blocks(
-    d_model: int, num_layers: int, num_heads: int, mlp_dim: int, max_len: int, dropout: float, **more: Any
-) -> ModelConfig:
-    """A body of today's blocks (as in Llama): RMSNorm, SwiGLU, rotary positions."""
-    sizes = dict(d_model=d_model, num_layers=num_layers, num_heads=num_heads, mlp_dim=mlp_dim, max_len=max_len)
-    return ModelConfig(**sizes, dropout=dropout, norm="rmsnorm", mlp="swiglu", positions="rotary", **more)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -327,7 +326,7 @@ def _from_dict(cls: type, raw: dict) -> Any:
             value = raw[f.name]
             if isinstance(value, list):
                 value = tuple(value)
-            values[f.name] = _check(value, hints[f.name], f"{cls.__name__}.{f.name}")
+            values[f.name] = checked(value, hints[f.name], f"{cls.__name__}.{f.name}")
     return cls(**values)
 
 
@@ -344,7 +343,7 @@ def apply_overrides(config: Config, overrides: list[str]) -> Config:
         if not sep or not path.strip():
             raise UserError(f"--set {item!r}: expected KEY=VALUE, for example --set train.steps=500.")
         keys = path.strip().split(".")
-        value = _parse(text.strip(), item)
+        value = parse_literal(text.strip(), item)
         node, level = config, changes
         for depth, key in enumerate(keys):
             if not dataclasses.is_dataclass(node):
@@ -353,7 +352,7 @@ def apply_overrides(config: Config, overrides: list[str]) -> Config:
             if key not in names:
                 raise UserError(f"--set {item!r}: unknown key {key!r}; valid keys here: {', '.join(names)}.")
             if depth == len(keys) - 1:
-                level[key] = _check(value, typing.get_type_hints(type(node))[key], item)
+                level[key] = checked(value, typing.get_type_hints(type(node))[key], item)
             else:
                 node, level = getattr(node, key), level.setdefault(key, _Changes())
                 if not isinstance(level, _Changes):
@@ -373,88 +372,3 @@ def _rebuild(node: Any, changes: _Changes) -> Any:
         for key, change in changes.items()
     }
     return dataclasses.replace(node, **values)
-
-
-def _parse(text: str, item: str) -> Any:
-    try:
-        return ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        # Bare words such as `rmsnorm` are strings; quoting them on a shell line is a chore.
-        if text.replace("_", "").replace("-", "").isalnum():
-            return text
-        raise UserError(f"--set {item!r}: {text!r} is not a Python literal.") from None
-
-
-def _check(value: Any, hint: Any, where: str) -> Any:
-    """Returns `value` if it fits the annotation `hint` (ints widen to floats), else raises."""
-    origin = typing.get_origin(hint)
-    if origin is Literal:
-        if value in typing.get_args(hint):
-            return value
-        choices = ", ".join(repr(c) for c in typing.get_args(hint))
-        raise UserError(f"{where}: {value!r} is not one of {choices}.")
-    if origin in (typing.Union, types.UnionType):
-        for option in typing.get_args(hint):
-            try:
-                return _check(value, option, where)
-            except UserError:
-                continue
-        raise UserError(f"{where}: {value!r} does not fit {hint}.")
-    if hint is type(None):
-        if value is None:
-            return value
-    elif origin is tuple:
-        if isinstance(value, (tuple, list)):
-            return tuple(value)
-    elif hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    elif hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif hint is bool:
-        # `true` and `false` as a shell user types them, beside Python's True and False.
-        if isinstance(value, bool) or (isinstance(value, str) and value.lower() in ("true", "false")):
-            return value is True or str(value).lower() == "true"
-    elif isinstance(hint, type):
-        if isinstance(value, hint):
-            return value
-    else:
-        return value
-    name = getattr(hint, "__name__", str(hint))
-    raise UserError(f"{where}: expected {name}, got {value!r}.")
-
-
-def tiny_body(max_len: int, **more: Any) -> ModelConfig:
-    """The body of a `tiny_preset`: one block of width 32, two heads, no dropout."""
-    return ModelConfig(d_model=32, num_layers=1, num_heads=2, mlp_dim=64, max_len=max_len, dropout=0.0, **more)
-
-
-def tiny_preset(
-    task: str,
-    model: ModelConfig,
-    data: DataConfig,
-    *,
-    learning_rate: float = 3e-3,
-    weight_decay: float = 0.01,
-    eval_batch_size: int = 64,
-    warmup_steps: int = 5,
-    log_every: int = 5,
-) -> Config:
-    """Every task's `tiny` preset, for tests: 20 steps of 16 rows, validation and checkpoints
-    every 10 steps."""
-    return Config(
-        task=task,
-        preset="tiny",
-        model=model,
-        optim=OptimConfig(learning_rate=learning_rate, warmup_steps=warmup_steps, weight_decay=weight_decay),
-        train=TrainConfig(
-            batch_size=16,
-            eval_batch_size=eval_batch_size,
-            steps=20,
-            eval_every=10,
-            checkpoint_every=10,
-            log_every=log_every,
-        ),
-        data=data,
-    )

@@ -32,7 +32,8 @@ from core.task import read_predict_options
 from core.training import data as data_lib
 from core.training import host, memory, sharding, transfer
 from core.training.checkpoints import Checkpoints, read_json, write_json, writer_lock
-from core.training.steps import Steps, build_model, evaluate_arrays, fit, make_steps
+from core.training.fit import fit
+from core.training.steps import Steps, build_model, evaluate_arrays, make_steps
 
 log = logging.getLogger("apps")
 

@@ -17,8 +17,9 @@ from flax import nnx
 
 import tasks
 from core import run
-from core.config import DataConfig, tiny_body, tiny_preset
+from core.config import DataConfig
 from core.model.heads import TokenEmbedder
+from core.presets import tiny_body, tiny_preset
 from core.task import final
 from tasks.common.families import SequenceClassification, class_ids
 from tasks.common.scoring import classification_scores

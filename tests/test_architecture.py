@@ -21,8 +21,8 @@ MAX_FUNCTION_LINES = 60
 
 # The core's layers, bottom first; each package or top-level module of core/ is in exactly one.
 LAYERS = (
-    ("core.errors",),
-    ("core.config",),
+    ("core.errors", "core.values"),
+    ("core.config", "core.presets"),
     ("core.model",),  # the network: layers, attention, cache, heads, front ends, precision
     ("core.task", "core.metrics"),  # the contract a task implements
     ("core.checkpoints",),  # pretrained weights in and out: formats and families

@@ -11,17 +11,9 @@ from flax import nnx
 from core.config import ModelConfig
 from core.errors import UserError
 from core.generation.beam import beam_search, gnmt_penalty
-from core.generation.generate import (
-    Sampling,
-    beam_settings,
-    extend,
-    filter_logits,
-    generate,
-    generate_beams,
-    prefill,
-    sample,
-)
+from core.generation.generate import extend, generate, generate_beams, prefill
 from core.generation.penalties import repeats
+from core.generation.sampling import Sampling, beam_settings, filter_logits, sample
 from core.model.heads import TiedOutput, TokenEmbedder
 from core.model.transformer import Model, Transformer
 

@@ -20,7 +20,7 @@ import tokenizers
 from conftest import apps
 from flax import nnx
 
-from core.checkpoints import bert, pretrained
+from core.checkpoints import bert, pretrained, rules
 from core.config import ModelConfig
 from core.errors import UserError
 from core.model.heads import PooledClassifier, TokenEmbedder, mean_pool
@@ -244,8 +244,8 @@ def test_a_minilm_run_starts_from_the_checkpoint(minilm):
     featurizer = task.fit_featurizer(task.examples("train"))
     assert isinstance(featurizer.tokenizer, PretrainedTokenizer)
     model = build_model(task, featurizer, task.config, from_pretrained=True)
-    reference = pretrained.flat_params(minilm[0])
-    for path, value in pretrained.flat_params(model).items():
+    reference = rules.flat_params(minilm[0])
+    for path, value in rules.flat_params(model).items():
         if path == "body.position_embedding.embedding":
             np.testing.assert_array_equal(value, reference[path][:32])
         elif not path.startswith("head."):

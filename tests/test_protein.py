@@ -197,7 +197,7 @@ def test_init_from_restores_the_body_and_leaves_the_head_fresh(mlm_run, tmp_path
     model = build_model(task, featurizer, config, from_pretrained=True)
     fresh = build_model(task, featurizer, run.make_config(ProteinClassTask, "tiny"))
     saved = flatten(Checkpoints(mlm_run, read_only=True).read_params().value)
-    from core.checkpoints.pretrained import flat_params
+    from core.checkpoints.rules import flat_params
 
     params, initial = flat_params(model), flat_params(fresh)
     for name, value in params.items():

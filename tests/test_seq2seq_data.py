@@ -12,8 +12,8 @@ import tasks
 from core.errors import UserError
 from tasks.common.tokenizer import BOS, EOS, PAD, Tokenizer
 from tasks.nlp import freedict
+from tasks.nlp.encoder_decoder import Seq2SeqFeaturizer, TextSource
 from tasks.nlp.pairs import read_pairs, split_pairs
-from tasks.nlp.seq2seq import Seq2SeqFeaturizer, TextSource
 from tasks.nlp.summarize import rouge_scores
 from tasks.nlp.translate import translation_scores
 

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from core.checkpoints.pretrained import Checkpoint, Family, Rule, Shipped, folder_config, register
+from core.checkpoints.pretrained import Checkpoint, Family, Shipped, folder_config, register
+from core.checkpoints.rules import Rule
 from core.config import ModelConfig
 from core.errors import UserError
 

@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from core.checkpoints import gguf_files
-from core.checkpoints.pretrained import Rule, Shipped, cache_folder, package_folder, register
+from core.checkpoints.pretrained import Shipped, cache_folder, package_folder, register
+from core.checkpoints.rules import Rule
 from core.errors import UserError
 
 FILE = "gemma-3-270m-q4_k_m.gguf"

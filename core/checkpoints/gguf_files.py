@@ -24,7 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from core.checkpoints.pretrained import Checkpoint, Family, Rule
+from core.checkpoints.pretrained import Checkpoint, Family
+from core.checkpoints.rules import Rule
 from core.config import ModelConfig
 from core.errors import UserError
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from core.checkpoints.pretrained import Checkpoint, Family, Rule, folder_config, register
+from core.checkpoints.pretrained import Checkpoint, Family, folder_config, register
+from core.checkpoints.rules import Rule
 from core.config import ModelConfig
 from core.errors import UserError
 

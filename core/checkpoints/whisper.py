@@ -32,7 +32,6 @@ from core.checkpoints import ctranslate2_files, pretrained
 from core.checkpoints.pretrained import (
     Checkpoint,
     Family,
-    Rule,
     Shipped,
     architecture,
     cache_folder,
@@ -40,12 +39,13 @@ from core.checkpoints.pretrained import (
     read_checkpoint,
     register,
 )
+from core.checkpoints.rules import Rule
 from core.config import ModelConfig
 from core.errors import UserError
-from core.model import transformer
 from core.model.encoder_decoder import EncoderDecoder, Start
 from core.model.frontends import WhisperStem
 from core.model.heads import TiedOutput, TokenEmbedder
+from core.model.layers import sinusoids
 
 SPEC = "WhisperSpec"
 # The spec revisions whose variables this module knows (CTranslate2 4.x writes 3).
@@ -108,7 +108,7 @@ class WhisperFamily(Family):
         d_model = v["encoder/conv1/weight"].shape[0]
         table = v["encoder/position_encodings/encodings"]
         with jax.ensure_compile_time_eval():  # a check on values, also when built abstractly (core.training.memory)
-            expected = transformer.sinusoids(jnp.arange(table.shape[0])[None, :], table.shape[1])[0]
+            expected = sinusoids(jnp.arange(table.shape[0])[None, :], table.shape[1])[0]
         if np.abs(table.astype(np.float32) - np.asarray(expected)).max() > 1e-2:
             raise UserError(f"{where}: the encoder's position table is not Whisper's sinusoids.")
         config = ModelConfig(

@@ -1,6 +1,6 @@
 """Beam search over a decode step, with GNMT length normalisation.
 
-Written against the decode-step interface of `core.generation.generate` (step(state, tokens [B]) -> (logits
+Written against the decode-step interface of `core.generation.sampling` (step(state, tokens [B]) -> (logits
 [B, V], state), every state leaf batch-leading), so that the decoder-only model and a later
 encoder-decoder share it. The W beams of each row are a batch dimension: the state is repeated
 to B * W rows once, and after every step each beam's state (its key/value cache) is gathered
@@ -28,7 +28,7 @@ from core.generation import penalties
 
 class Beams(NamedTuple):
     """tokens [B, W, M] (0 past each length), lengths [B, W] and scores [B, W], best first; an
-    encoder-decoder's probed token's probability [B] (see `core.generation.generate.Generation`), or None."""
+    encoder-decoder's probed token's probability [B] (see `core.generation.sampling.Generation`), or None."""
 
     tokens: Any
     lengths: Any

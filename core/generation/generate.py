@@ -1,49 +1,33 @@
-"""Generation from a causal language model: a decoding engine kept apart from the model.
-
-The engine runs against a small decode-step interface, so that a later encoder-decoder reuses it:
-
-    step(state, tokens [B]) -> (logits [B, V] for the next token, state)
-
-where `state` is any pytree whose every leaf has the batch as its leading axis (a key/value
-`Cache`, encoder outputs, ...). `sample` and `beam_search` (core/generation/beam.py) take such a step, the
-state after the prompt and the logits for the first new token, and decode in ONE
-`jax.lax.while_loop`: no Python dispatch per token, the cache updated in place.
+"""Generation from a decoder-only language model: a decoding engine kept apart from the model.
 
 For a decoder-only `Model` (an embedder of token ids, a causal body, a head giving logits or a
-`Projection`), `generate` and `generate_beams` do the rest in one compiled call: right-pad
+`Projection`), `generate` and `generate_beams` do all of it in one compiled call: right-pad
 prompts of different lengths, prefill the preallocated cache with the training kernel, then
-decode, each row at its own positions. `use_cache=False` recomputes the full forward over the
-sequence so far at every token instead (a baseline for `apps bench decode`).
+decode (`core.generation.sampling.sample`, `core.generation.beam.beam_search`) with the model's
+step, `extend`, each row at its own positions. `use_cache=False` recomputes the full forward
+over the sequence so far at every token instead (a baseline for `apps bench decode`).
 
 An `EncoderDecoder` decodes through the same `sample` and `beam_search` with its own step
-(core/model/encoder_decoder.py: `generate_from_source`, `generate_beams_from_source`).
+(`core.generation.seq2seq`).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.experimental import io_callback
 
 from core.errors import UserError
-from core.generation import penalties
 from core.generation.beam import Beams, beam_search
+from core.generation.sampling import Generation, OnTokens, State, beam_settings, sample, sampling_and_key
 from core.model.cache import Cache
 from core.model.heads import CopyProjection, Projection
 from core.model.transformer import Model
-
-State = Any
-Step = Callable[[State, jax.Array], tuple[jax.Array, State]]
-# Streaming: called on the host with each step's tokens [B] and which rows are still producing.
-OnTokens = Callable[[np.ndarray, np.ndarray], None]
 
 logger = logging.getLogger("apps")
 
@@ -52,109 +36,6 @@ logger = logging.getLogger("apps")
 # reads come first and copies nothing (GPT-2 small, batch 1: 26 -> 22 ms per token). Other
 # backends ignore the option.
 COMPILER_OPTIONS = {"xla_cpu_copy_insertion_use_region_analysis": True}
-
-
-@dataclass(frozen=True, kw_only=True)
-class Sampling:
-    """How `sample` picks tokens: temperature 0 is greedy (argmax); else softmax(logits / T),
-    restricted to the `top_k` most likely tokens and then to the smallest set of them whose
-    probability reaches `top_p` (None: no restriction; greedy ignores both). The logits are
-    first adjusted by `core.generation.penalties` (`no_repeat_ngram`, `word_reward`)."""
-
-    max_new_tokens: int
-    temperature: float = 0.0
-    top_k: int | None = None
-    top_p: float | None = None
-    stop_tokens: tuple[int, ...] = ()
-    no_repeat_ngram: int = 0
-    word_reward: float = 0.0
-
-    def __post_init__(self):
-        if self.max_new_tokens < 1:
-            raise UserError(f"max_new_tokens={self.max_new_tokens} must be at least 1.")
-        if self.temperature < 0:
-            raise UserError(f"temperature={self.temperature} must be >= 0 (0 is greedy).")
-        if self.top_k is not None and self.top_k < 1:
-            raise UserError(f"top_k={self.top_k} must be at least 1.")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise UserError(f"top_p={self.top_p} must be in (0, 1].")
-        penalties.check(self.no_repeat_ngram, self.word_reward)
-
-
-class Generation(NamedTuple):
-    """New tokens [B, max_new_tokens] (0 past each row's length) and lengths [B], which count a
-    row's stop token when it produced one; each row's sum of its tokens' log-probabilities [B]
-    (under the logits as adjusted, before the temperature: how sure the model was, whatever the
-    sampling); an encoder-decoder's probed token's probability [B]
-    (`core.model.encoder_decoder.Start.probe`), or None."""
-
-    tokens: np.ndarray
-    lengths: np.ndarray
-    log_probs: np.ndarray
-    probe: np.ndarray | None = None
-
-
-def filter_logits(logits: jax.Array, top_k: int | None, top_p: float | None) -> jax.Array:
-    """logits [B, V] with -inf outside the top-k tokens and then outside the nucleus: the most
-    likely tokens whose probabilities, in decreasing order, first sum to at least `top_p`. Tokens
-    tied with the least likely kept one are kept too. `top_p` may be traced (a value per request,
-    `core.generation.slots`); 1 keeps every token."""
-    if top_k is not None and top_k < logits.shape[-1]:
-        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
-        logits = jnp.where(logits < kth, -jnp.inf, logits)
-    if top_p is not None and (isinstance(top_p, jax.Array) or top_p < 1):
-        ordered = jnp.sort(logits, axis=-1)[:, ::-1]
-        probabilities = jax.nn.softmax(ordered, axis=-1)
-        # A token is kept while the mass of the more likely ones is still short of top_p.
-        before = jnp.cumsum(probabilities, axis=-1) - probabilities
-        threshold = jnp.min(jnp.where(before < top_p, ordered, jnp.inf), axis=-1, keepdims=True)
-        logits = jnp.where((logits < threshold) & (top_p < 1), -jnp.inf, logits)
-    return logits
-
-
-def choose(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
-    """The next token of each row [B] from logits [B, V]."""
-    if sampling.temperature == 0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = filter_logits(logits / sampling.temperature, sampling.top_k, sampling.top_p)
-    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
-
-
-def sample(
-    step: Step, state: State, logits: jax.Array, key: jax.Array, sampling: Sampling, on_tokens: OnTokens | None = None
-) -> tuple[jax.Array, jax.Array]:
-    """Decodes up to `max_new_tokens` per row from `logits` [B, V] for the first new token, in one
-    while loop that ends when every row has produced a stop token. -> tokens [B, M], lengths [B],
-    log-probability sums [B] (see `Generation`)."""
-    M = sampling.max_new_tokens
-    stops = jnp.asarray(sampling.stop_tokens, jnp.int32)
-    B = logits.shape[0]
-
-    def pick(index, logits, tokens, lengths, log_probs, done):
-        logits = penalties.adjust(logits, tokens, index, stops, sampling.no_repeat_ngram, sampling.word_reward)
-        token = jnp.where(done, 0, choose(logits, jax.random.fold_in(key, index), sampling))
-        if on_tokens is not None:
-            io_callback(on_tokens, None, token, ~done, ordered=True)
-        chosen = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), token[:, None], axis=-1)[:, 0]
-        log_probs = log_probs + jnp.where(done, 0.0, chosen)
-        tokens = jax.lax.dynamic_update_slice(tokens, token[:, None], (0, index))
-        lengths = lengths + (~done).astype(jnp.int32)
-        done = done | jnp.isin(token, stops)
-        return token, tokens, lengths, log_probs, done
-
-    def body(carry):
-        index, token, tokens, lengths, log_probs, done, state = carry
-        logits, state = step(state, token)
-        return index + 1, *pick(index, logits, tokens, lengths, log_probs, done), state
-
-    def running(carry):
-        index, done = carry[0], carry[5]
-        return (index < M) & ~jnp.all(done)
-
-    zeros = jnp.zeros((B, M), jnp.int32), jnp.zeros((B,), jnp.int32), jnp.zeros((B,), jnp.float32)
-    start = pick(0, logits, *zeros, jnp.zeros((B,), bool))
-    _, _, tokens, lengths, log_probs, _, _ = jax.lax.while_loop(running, body, (jnp.int32(1), *start, state))
-    return tokens, lengths, log_probs
 
 
 def prefill(model: Model, tokens: jax.Array, lengths: jax.Array, max_len: int) -> tuple[jax.Array, Cache]:
@@ -266,66 +147,6 @@ def best_continuations(
         **settings,
     )
     return result.tokens, result.lengths
-
-
-def sampling_and_key(
-    max_new_tokens: int,
-    temperature: float,
-    top_k: int | None,
-    top_p: float | None,
-    stop_tokens: Sequence[int],
-    seed: int | jax.Array,
-    no_repeat_ngram: int = 0,
-    word_reward: float = 0.0,
-) -> tuple[Sampling, jax.Array]:
-    """`sample`'s settings, checked, and the random key, from the arguments of the generators."""
-    sampling = Sampling(
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        stop_tokens=tuple(int(t) for t in stop_tokens),
-        no_repeat_ngram=int(no_repeat_ngram),
-        word_reward=float(word_reward),
-    )
-    return sampling, jax.random.key(seed) if isinstance(seed, (int, np.integer)) else seed
-
-
-class BeamSettings(NamedTuple):
-    """`beam_search`'s keyword arguments, hashable: they are static arguments of a jit."""
-
-    beam_size: int
-    max_new_tokens: int
-    stop_tokens: tuple[int, ...]
-    length_penalty: float
-    no_repeat_ngram: int
-    word_reward: float
-    early_stopping: bool
-
-
-def beam_settings(
-    beam_size: int,
-    max_new_tokens: int,
-    stop_tokens: Sequence[int],
-    length_penalty: float,
-    no_repeat_ngram: int = 0,
-    word_reward: float = 0.0,
-    early_stopping: bool = False,
-) -> BeamSettings:
-    """`beam_search`'s settings, checked."""
-    if beam_size < 1:
-        raise UserError(f"beam_size={beam_size} must be at least 1.")
-    penalties.check(no_repeat_ngram, word_reward)
-    stops = tuple(int(t) for t in stop_tokens)
-    return BeamSettings(
-        beam_size,
-        max_new_tokens,
-        stops,
-        float(length_penalty),
-        int(no_repeat_ngram),
-        float(word_reward),
-        bool(early_stopping),
-    )
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), compiler_options=COMPILER_OPTIONS)

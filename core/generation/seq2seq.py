@@ -21,15 +21,8 @@ from flax import nnx
 
 from core.errors import UserError
 from core.generation.beam import Beams, beam_search
-from core.generation.generate import (
-    COMPILER_OPTIONS,
-    Generation,
-    OnTokens,
-    beam_settings,
-    sample,
-    sampling_and_key,
-    step_logits,
-)
+from core.generation.generate import COMPILER_OPTIONS, step_logits
+from core.generation.sampling import Generation, OnTokens, beam_settings, sample, sampling_and_key
 from core.model.cache import Cache
 from core.model.encoder_decoder import EncoderDecoder, Start
 from core.model.heads import Source

@@ -31,7 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from core.generation.generate import COMPILER_OPTIONS, filter_logits, logits_of
+from core.generation.generate import COMPILER_OPTIONS, logits_of
+from core.generation.sampling import filter_logits
 from core.model.precision import narrowed
 from core.model.transformer import Model
 from core.training.data import bucket_width

@@ -1,6 +1,6 @@
 """What the fit loop does between steps, as small hooks that each do one job at their cadence.
 
-Written after levanter's `Trainer`: the loop (`core.training.steps.fit`) only runs steps and hands each
+Written after levanter's `Trainer`: the loop (`core.training.fit.fit`) only runs steps and hands each
 one's `StepInfo` to `Hooks`, which runs every hook added with `every=N` after each N-th step and
 after the last one, in the order they were added. The jobs: `Window` gathers each step's loss and
 the throughput clock, `LogLoss` writes a record to metrics.jsonl and stops a run whose loss is
@@ -269,7 +269,7 @@ class Preemption:
 
     The processes of a multi-process run must stop at one step, since saving is collective: the
     request rides in each training batch's "stop" column, whose maximum the train step reduces
-    with its gradients (`core.training.steps.fit`), so a signal to any process stops all of them a few
+    with its gradients (`core.training.fit.fit`), so a signal to any process stops all of them a few
     steps later (the batches placed ahead, then one step), with no collective of its own that
     a lost peer could hang."""
 

@@ -1,22 +1,19 @@
-"""The jitted train and eval steps and the fit loop.
+"""The model built for a task, and its jitted train and eval steps.
 
 The hot loop is functional: the model is split once into a static graph and a pure dict of
 parameters; each step merges them inside `jax.jit`, so one compiled program covers forward,
 backward, gradient accumulation and the optimizer update. The training state is donated to the
 step so XLA updates parameters in place.
 
-`fit` only runs the steps; what happens between them (the metrics.jsonl record and its loss
-guard, validation and the best checkpoint, checkpoints, the progress bar) is core/training/hooks.py's,
-each job a hook with its cadence.
+`core.training.fit` runs them.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -26,29 +23,15 @@ import optax
 from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
-from rich.console import Console
 
 from core import metrics as metrics_lib
 from core.checkpoints import pretrained
 from core.config import Config, TrainConfig
-from core.errors import UserError
 from core.model import lora
 from core.model.precision import products_in
 from core.task import Task
 from core.training import data as data_lib
 from core.training import sharding, transfer
-from core.training.checkpoints import Checkpoints
-from core.training.hooks import (
-    Hooks,
-    KeepBest,
-    Logger,
-    LogLoss,
-    Preemption,
-    SaveCheckpoint,
-    ShowProgress,
-    StepInfo,
-    Window,
-)
 from core.training.optim import optimizer
 
 State = dict[str, Any]
@@ -251,91 +234,3 @@ def evaluate_arrays(
     count = data_lib.size(arrays)
     predictions = {key: np.concatenate([d[key] for d in decoded])[:count] for key in decoded[0]}
     return metrics_lib.finish(total), predictions
-
-
-def fit(
-    task: Task,
-    featurizer,
-    config: Config,
-    steps: Steps,
-    train_arrays: data_lib.Arrays,
-    validate: Callable[[Any], dict[str, float]],
-    workdir: Path,
-    console: Console,
-) -> dict[str, float]:
-    """Trains from the latest readable checkpoint in `workdir` (or from scratch) to `train.steps`.
-
-    Calls `validate(params)` every `train.eval_every` steps and at the end, keeps the parameters
-    with the best `task.best_metric` (in the task's direction) in `best/`, and saves the latest
-    state every `train.checkpoint_every` steps. Returns the last validation metrics.
-    """
-    train = config.train
-    checkpoints = Checkpoints(workdir)
-    logger = Logger(workdir)
-    state, start = steps.state, 0
-    restored = checkpoints.restore_training(state)
-    if restored is not None:
-        state, start = restored.value, restored.step
-        console.print(f"Resuming from {restored.where} in {workdir}.")
-    keep_best = KeepBest(validate, checkpoints, logger, workdir, task.best_metric, task.lower_is_better, console)
-    window, preemption = Window(), Preemption(console)
-    batches = _placed_batches(task, featurizer, steps.mesh, train_arrays, train, start, window, preemption)
-    log_loss = LogLoss(window, logger)
-    progress = ShowProgress(console, train.steps, log_loss)
-    save = SaveCheckpoint(checkpoints, workdir, start if restored is not None else None)
-    hooks = Hooks(train.steps, window)
-    hooks.add(window.add, every=1)
-    hooks.add(log_loss, every=train.log_every)
-    hooks.add(progress, every=train.log_every)
-    hooks.add(keep_best, every=train.eval_every, pauses=True)
-    hooks.add(save, every=train.checkpoint_every, pauses=True)
-    step = start
-    try:
-        # Every step, validation and save runs collectives: a lost process fails whichever comes next.
-        with sharding.lost_peers(save.resume_advice), progress.shown(start), preemption:
-            window.restart()
-            asked = None  # the previous step's verdict on a stop request, read once this one is queued
-            while step < train.steps:
-                state, logs = steps.train_step(state, next(batches))
-                step += 1
-                hooks.run(StepInfo(step, state, logs))
-                # Every process reads the same verdict after the same step, so all stop at one step
-                # and save it together; reading the previous step's never leaves the devices idle.
-                if asked is not None:
-                    sharding.wait(asked)  # a lost peer's failure is raised at once, not hung on
-                    if int(asked) and step < train.steps:
-                        if save.saved != step:
-                            save(StepInfo(step, state, logs))
-                        by = preemption.requested() or "a signal to another process of the run"
-                        raise UserError(f"Stopped by {by} at step {step}. {save.resume_advice()}")
-                asked = logs["stop"]
-    except KeyboardInterrupt:  # a SIGINT outside the steps (while compiling, say)
-        raise UserError(f"Interrupted at step {step}. {save.resume_advice()}") from None
-    finally:
-        checkpoints.close()
-    return keep_best.metrics
-
-
-def _placed_batches(
-    task: Task,
-    featurizer,
-    mesh: Mesh,
-    arrays: data_lib.Arrays,
-    train: TrainConfig,
-    start: int,
-    window: Window,
-    preemption: Preemption,
-) -> Iterator[dict]:
-    """The training batches from step `start` on, placed on the devices ahead of the steps; the
-    `window` counts the examples and tokens of each, and a "stop" column carries whether this
-    process was asked to stop by the time the batch was placed."""
-
-    def place(batch):
-        tokens = sum(int(batch[key].sum()) for key in task.token_masks)
-        window.placed(len(batch["weights"]) * jax.process_count(), tokens * jax.process_count())
-        stop = np.full(len(batch["weights"]), preemption.requested() is not None, np.int32)
-        return sharding.global_batch(mesh, {**batch, "stop": stop})
-
-    augment = functools.partial(task.augment, featurizer=featurizer)
-    batches = data_lib.train_batches(arrays, train.batch_size, train.seed, start, augment, task.trim)
-    return data_lib.prefetch(batches, place)

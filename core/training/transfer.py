@@ -21,15 +21,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from core.checkpoints import pretrained
-from core.checkpoints.pretrained import flatten
+from core.checkpoints.rules import Report, flat_params, flatten, set_params
 from core.errors import UserError
 from core.model.heads import LinearProbe
 from core.training import data as data_lib
 from core.training.checkpoints import Checkpoints
 
 
-def init_from(model: nnx.Module, run_dir: str) -> pretrained.Report:
+def init_from(model: nnx.Module, run_dir: str) -> Report:
     """Fills the parts of `model` that it declares `transferred` (a `Model`'s embedder and body)
     from the best checkpoint of the run in `run_dir`."""
     directory = Path(run_dir)
@@ -44,7 +43,7 @@ def init_from(model: nnx.Module, run_dir: str) -> pretrained.Report:
     everything = flatten(restored.value)
     transferred = tuple(f"{part}." for part in model.transferred)  # declared by the model
     saved = {k: v for k, v in everything.items() if k.startswith(transferred)}
-    params = pretrained.flat_params(model)
+    params = flat_params(model)
     wanted = {k: v for k, v in params.items() if k.startswith(transferred)}
     problems = [
         f"{name} is {list(saved[name].shape)} there, {list(wanted[name].shape)} here"
@@ -59,8 +58,8 @@ def init_from(model: nnx.Module, run_dir: str) -> pretrained.Report:
             + "; ".join(problems)
             + ". Give this run the same model sizes (--preset or --set model.*) as that one."
         )
-    pretrained.set_params(model, {name: np.asarray(saved[name]).astype(wanted[name].dtype) for name in wanted})
-    return pretrained.Report(
+    set_params(model, {name: np.asarray(saved[name]).astype(wanted[name].dtype) for name in wanted})
+    return Report(
         directory / restored.source / str(restored.step),
         filled=tuple(wanted),
         new=tuple(name for name in params if name not in wanted),
@@ -97,7 +96,7 @@ def fit_probe(model: nnx.Module, task, featurizer, arrays: dict[str, np.ndarray]
     features, targets, weights = (np.concatenate(column) for column in zip(*parts))
     kernel, bias, accuracy = linear_probe(features, targets, weights, head.linear.bias.shape[0])
     dtype = head.linear.kernel.dtype
-    pretrained.set_params(model, {"head.linear.kernel": kernel.astype(dtype), "head.linear.bias": bias.astype(dtype)})
+    set_params(model, {"head.linear.kernel": kernel.astype(dtype), "head.linear.bias": bias.astype(dtype)})
     return (
         f"Head fitted as a logistic-regression probe on the loaded features of {int((weights > 0).sum())} "
         f"training rows (training accuracy {accuracy:.3f})."

@@ -26,15 +26,24 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
+from flax import nnx
 
+from core.config import Config
 from core.errors import UserError
 from core.generation import penalties
+from core.model.heads import TiedOutput, TokenEmbedder
+from core.model.transformer import Model, Transformer
+from core.task import read_predict_options
 from core.training.data import decoding_batches
 from tasks.common.tokenizer import PretrainedTokenizer, Tokenizer, load_tokenizer
 from tasks.nlp import instructions
 from tasks.nlp.freedict import word_by_word
+
+if TYPE_CHECKING:
+    from tasks.nlp.seq2seq import Seq2SeqTask
 
 log = logging.getLogger("apps")
 
@@ -171,3 +180,83 @@ def decode_texts(model, featurizer: CompletionFeaturizer, examples: Sequence[dic
         for i, row, length in zip(rows, tokens, lengths):
             texts[i] = featurizer.text(prompts[i], row[:length])
     return texts
+
+
+class DecoderOnlyRoute:
+    """How a seq2seq task trains and decodes a causal decoder (pretrained, or built here): each
+    pair a prompt and its completion, packed into full rows."""
+
+    token_masks: ClassVar[tuple[str, ...]] = ("mask",)
+    trim: ClassVar[dict[str, tuple[str, ...]]] = {}  # packed rows are full
+    # Ten decodings of a pretrained decoder are too slow for an evaluation here.
+    affords_mbr: ClassVar[bool] = False
+
+    def __init__(self, task: Seq2SeqTask):
+        if task.config.data.prompt is None:
+            raise UserError(
+                f"A decoder-only {task.name} model (model.causal) reads a prompt: give data.prompt, with {SOURCE} "
+                "where the source goes (the smollm2 and gemma3 presets have theirs)."
+            )
+        self.task = task
+
+    def protocol(self) -> str:
+        model = self.task.config.model.pretrained or "a decoder trained here"
+        return (
+            f"; decoder-only: {model} reads the prompt {self.task.config.data.prompt!r} (the chat template's user turn "
+            "where the checkpoint has one), the loss on the completion and its end token, pairs packed into rows "
+            f"of {self.task.config.model.max_len}"
+        )
+
+    def fit_featurizer(self, train: Sequence[dict]) -> CompletionFeaturizer:
+        # A checkpoint used as it is (`--model`) is fitted on no examples; its glossary still
+        # comes from the training split.
+        train = train or self.task.examples("train")
+        featurizer = self._featurizer(self._tokenizer(train), self.task.glossary(train))
+        if self.task.config.data.shortlist:
+            featurizer.shortlist = featurizer.covering(train)
+        return featurizer
+
+    def _tokenizer(self, train: Sequence[dict]) -> Tokenizer | PretrainedTokenizer:
+        """The checkpoint's tokenizer, or for a decoder built here one trained on both sides."""
+        if self.task.config.model.pretrained is not None:
+            return PretrainedTokenizer.from_checkpoint(self.task.config.model.pretrained)
+        texts = [text for e in train for text in (e["source"], e["target"])]
+        return Tokenizer.train(texts, self.task.config.data.vocab_size, "bpe", lossless=True)
+
+    def _featurizer(self, tokenizer, glossary) -> CompletionFeaturizer:
+        data, max_len = self.task.config.data, self.task.config.model.max_len
+        return CompletionFeaturizer(tokenizer, data.prompt, data.source_len, data.target_len, max_len, glossary)
+
+    def load_featurizer(self, directory: Path) -> CompletionFeaturizer:
+        data = self.task.config.data
+        return CompletionFeaturizer.load(
+            directory, data.prompt, data.source_len, data.target_len, self.task.config.model.max_len
+        )
+
+    def model(self, featurizer: CompletionFeaturizer, config: Config, rngs: nnx.Rngs) -> Model:
+        embedder = TokenEmbedder(featurizer.tokenizer.vocab_size, config.model.d_model, rngs=rngs)
+        head = TiedOutput(embedder, featurizer.shortlist)
+        return Model(embedder, Transformer(config.model, remat=config.train.remat, rngs=rngs), head)
+
+    def sources(self, featurizer: CompletionFeaturizer, examples: Sequence[dict]) -> list:
+        """What `decode_texts` reads of the examples: the examples, whose prompts it writes."""
+        return list(examples)
+
+    def zero_shot(self, featurizer: CompletionFeaturizer, test: Sequence[dict]) -> dict[str, dict]:
+        """For a pretrained decoder, the checkpoint as it is (before any fine-tuning) with the same
+        prompt, decoded greedily: what a user would try first."""
+        name = self.task.config.model.pretrained
+        if name is None:
+            return {}
+        from core.training.steps import build_model
+
+        task = self.task
+        model = build_model(task, featurizer, task.config, from_pretrained=True)
+        options = {**read_predict_options(task.predict_options, {}, task.name), "beams": 1, "temperature": 0.0}
+        generated = {"text": task.decode_texts(model, featurizer, test, options)}
+        return {f"zero_shot ({name}, greedy)": task.score_generated(generated, test, featurizer)}
+
+    def decode_texts(self, model, featurizer: CompletionFeaturizer, sources: list, options: dict) -> list[str]:
+        """The completion of each example by one decoding (see `Seq2SeqTask.decode_texts`)."""
+        task = self.task
+        return decode_texts(model, featurizer, sources, options, task.config.data, task.config.train.eval_batch_size)

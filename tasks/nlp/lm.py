@@ -33,11 +33,12 @@ from flax import nnx
 
 from core import metrics as metric_lib
 from core.checkpoints import pretrained
-from core.config import Config, DataConfig, OptimConfig, TrainConfig, modern_blocks, require, tiny_preset
+from core.config import Config, DataConfig, OptimConfig, TrainConfig, require
 from core.errors import UserError
 from core.generation import penalties
 from core.generation.detokenize import Detokenizer
 from core.model.heads import Projection, TiedOutput, TokenEmbedder
+from core.presets import modern_blocks, tiny_preset
 from core.run import Predictor
 from core.task import PredictOption, Task, final, scored_positions
 from core.training import losses

@@ -22,9 +22,10 @@ import numpy as np
 from flax import nnx
 
 from core.checkpoints import pretrained
-from core.config import Config, DataConfig, ModelConfig, OptimConfig, TrainConfig, require, tiny_body, tiny_preset
+from core.config import Config, DataConfig, ModelConfig, OptimConfig, TrainConfig, require
 from core.errors import UserError
 from core.model.heads import TokenEmbedder
+from core.presets import tiny_body, tiny_preset
 from core.task import final
 from tasks.common import reviews, splits
 from tasks.common.families import SequenceClassification, class_ids

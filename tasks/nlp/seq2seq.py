@@ -3,10 +3,10 @@
 Pairs (source text, target text) and their fixed split are `tasks.nlp.pairs`'s;
 `data.direction=reverse` swaps the sides.
 
-One sentencepiece model over both sides (`data.shared_vocab`, the default: one embedding table
-for source, target and output) or one per side. A source is its pieces and EOS; a target is
-read as [BOS] pieces and predicted as pieces [EOS] (core/task.py's encoder-decoder keys); both
-are cut to `data.source_len` / `data.target_len` with a warning.
+A run takes one of two routes, chosen when the task is made (`route`): an encoder-decoder
+built here (`tasks.nlp.encoder_decoder`), or, where the model is causal, a decoder completing
+prompts (`tasks.nlp.completion`). The route supplies the featurizer, the model and the decoding;
+the task the data, the loss and the scores.
 
 Training minimizes cross-entropy, label-smoothed by `optim.label_smoothing` (0.1 in the
 presets), over batches of similar lengths (the task's `trim`); the best checkpoint is the one
@@ -14,44 +14,35 @@ with the lowest validation `nll` (unsmoothed, nats per target piece). `apps eval
 the split greedily and with beam search and scores the text (the task's `score_generated`)
 beside a classical baseline.
 
-A run whose model is causal (`--preset smollm2`, `gemma3`: a pretrained decoder) takes the
-decoder-only route instead (`tasks.nlp.completion`): each pair becomes a prompt (`data.prompt`,
-the source written in) and its completion, the loss on the completion alone; evaluation also
-reports the checkpoint zero-shot, with the same prompt, as a baseline.
+On the decoder-only route (`--preset smollm2`, `gemma3`: a pretrained decoder) each pair becomes
+a prompt (`data.prompt`, the source written in) and its completion, the loss on the completion
+alone; evaluation also reports the checkpoint zero-shot, with the same prompt, as a baseline.
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
-import gzip
-import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Protocol
+from typing import Any, ClassVar, Literal
 
-import numpy as np
 from flax import nnx
 
 from core import metrics as metric_lib
 from core.checkpoints import pretrained
 from core.config import Config, DataConfig, ModelConfig, OptimConfig, TrainConfig, require
 from core.errors import UserError
-from core.generation import penalties
-from core.generation.seq2seq import generate_beams_from_source, generate_from_source
-from core.model.encoder_decoder import EncoderDecoder, Start
-from core.model.heads import CopyOutput, CopyProjection, Projection, TiedOutput, TokenEmbedder
-from core.model.transformer import Model, Transformer
-from core.task import PredictOption, Task, read_predict_options, scored_positions
+from core.model.encoder_decoder import EncoderDecoder
+from core.model.heads import CopyProjection, Projection
+from core.model.transformer import Model
+from core.task import PredictOption, Task, scored_positions
 from core.training import losses
-from core.training.data import decoding_batches
-from tasks.common.tokenizer import BOS, EOS, PAD, PretrainedTokenizer, Tokenizer
-from tasks.nlp import completion
-from tasks.nlp.completion import SOURCE, CompletionFeaturizer
+from tasks.nlp.completion import SOURCE, CompletionFeaturizer, DecoderOnlyRoute
 from tasks.nlp.decoding import decoding_options, minimum_bayes_risk
-from tasks.nlp.freedict import word_by_word
+from tasks.nlp.encoder_decoder import EncoderDecoderRoute, Seq2SeqFeaturizer
 from tasks.nlp.pairs import read_pairs, split_pairs, synthetic_pairs
 
 log = logging.getLogger("apps")
@@ -145,141 +136,6 @@ def decoder_preset(
     )
 
 
-class SourceFeaturizer(Protocol):
-    """The source side of a seq2seq example as the encoder reads it: token ids of a text
-    (`TextSource`) or an audio clip's frames. `length`: the most positions of a source (longer
-    ones are cut); `vocabulary`: the tokenizer of token ids (shared with the target or not), or
-    None for frames."""
-
-    length: int
-    vocabulary: Tokenizer | None
-
-    def __call__(self, examples: Sequence[dict]) -> list[np.ndarray]:
-        """Each example's source rows: ids [S] or frames [S, F], S at most `length`."""
-
-    def embedder(self, d_model: int, rngs: nnx.Rngs) -> nnx.Module:
-        """The front end that reads these rows: (rows [B, S(, F)], mask) -> (x [B, S', D], mask)."""
-
-    def save(self, directory: Path) -> None:
-        """What the source side keeps besides its tokenizer (which `Seq2SeqFeaturizer` saves)."""
-
-
-@dataclass
-class TextSource:
-    """A text source: its sentencepiece pieces and EOS, cut to `length` (with a warning); with a
-    glossary (word -> translation), the source followed by " = " and its word-by-word gloss."""
-
-    vocabulary: Tokenizer
-    length: int
-    glossary: dict[str, str] | None = None
-
-    GLOSSARY = "glossary.json.gz"
-
-    def text(self, source: str) -> str:
-        """What the encoder reads of a source text."""
-        return source if self.glossary is None else f"{source} = {word_by_word(source, self.glossary)}"
-
-    def __call__(self, examples: Sequence[dict]) -> list[np.ndarray]:
-        texts = [self.text(e["source"]) for e in examples]
-        return _cut(self.vocabulary.processor.encode(texts), self.length, "source", "data.source_len")
-
-    def embedder(self, d_model: int, rngs: nnx.Rngs) -> nnx.Module:
-        return TokenEmbedder(self.vocabulary.vocab_size, d_model, rngs=rngs)
-
-    def save(self, directory: Path) -> None:
-        if self.glossary is not None:
-            (directory / self.GLOSSARY).write_bytes(gzip.compress(json.dumps(self.glossary).encode("utf-8")))
-
-    @classmethod
-    def load(cls, directory: Path, vocabulary: Tokenizer, length: int) -> TextSource:
-        path = directory / cls.GLOSSARY
-        glossary = json.loads(gzip.decompress(path.read_bytes())) if path.exists() else None
-        return cls(vocabulary, length, glossary)
-
-
-@dataclass
-class Seq2SeqFeaturizer:
-    """A source featurizer, the target tokenizer (the source's own when they share a vocabulary)
-    and the target's length budget: examples -> the encoder-decoder's batch arrays."""
-
-    source: SourceFeaturizer
-    target: Tokenizer
-    target_len: int
-
-    @property
-    def shared(self) -> bool:
-        return self.source.vocabulary is self.target
-
-    @property
-    def glossary(self) -> dict[str, str] | None:
-        """The glossary whose glosses the encoder reads, if any."""
-        return getattr(self.source, "glossary", None)
-
-    def save(self, directory: Path) -> None:
-        self.source.save(directory)
-        if self.shared:
-            self.target.save(directory)
-            return
-        sides = (("source", self.source.vocabulary), ("target", self.target))
-        for side, tokenizer in ((side, tokenizer) for side, tokenizer in sides if tokenizer is not None):
-            (directory / side).mkdir(exist_ok=True)
-            tokenizer.save(directory / side)
-
-    @classmethod
-    def load_text(cls, directory: Path, source_len: int, target_len: int) -> Seq2SeqFeaturizer:
-        """The featurizer of a text-to-text run, saved under `directory`."""
-        if (directory / Tokenizer.FILE).exists():
-            shared = Tokenizer.load(directory)
-            return cls(TextSource.load(directory, shared, source_len), shared, target_len)
-        source = TextSource.load(directory, Tokenizer.load(directory / "source"), source_len)
-        return cls(source, Tokenizer.load(directory / "target"), target_len)
-
-    def text(self, ids: Sequence[int]) -> str:
-        """The target text of generated ids (up to the first EOS)."""
-        ids = list(ids)
-        return self.target.decode(ids[: ids.index(EOS)] if EOS in ids else ids)
-
-    def __call__(self, examples: Sequence[dict]) -> dict[str, np.ndarray]:
-        inputs, mask = padded(self.source(examples), self.source.length)
-        targets = _cut(
-            self.target.processor.encode([e["target"] for e in examples]), self.target_len, "target", "data.target_len"
-        )
-        decoder_inputs = np.full((len(examples), self.target_len), PAD, np.int32)
-        outputs = np.full((len(examples), self.target_len), PAD, np.int32)
-        for row, target in enumerate(targets):
-            outputs[row, : len(target)] = target
-            decoder_inputs[row, : len(target)] = [BOS, *target[:-1]]
-        return {
-            "inputs": inputs,
-            "mask": mask,
-            "decoder_inputs": decoder_inputs,
-            "decoder_mask": outputs != PAD,
-            "targets": outputs,
-            "target_mask": outputs != PAD,
-            "weights": np.ones(len(examples), np.float32),
-        }
-
-
-def padded(rows: Sequence[np.ndarray], width: int) -> tuple[np.ndarray, np.ndarray]:
-    """Source rows (ids [S] or frames [S, F]) padded to `width` positions (PAD, or zero frames),
-    and the mask [B, width] of their real positions."""
-    shape, dtype = (rows[0].shape[1:], rows[0].dtype) if rows else ((), np.int32)
-    inputs = np.full((len(rows), width, *shape), PAD, dtype)
-    mask = np.zeros((len(rows), width), bool)
-    for row, source in enumerate(rows):
-        inputs[row, : len(source)], mask[row, : len(source)] = source, True
-    return inputs, mask
-
-
-def _cut(pieces: list[list[int]], length: int, side: str, key: str) -> list[np.ndarray]:
-    """Pieces and EOS of each text, at most `length`; how many were cut is logged."""
-    rows = [np.asarray([*ids, EOS], np.int32) for ids in pieces]
-    long = sum(len(row) > length for row in rows)
-    if long:
-        log.warning("%d of %d %ss are longer than %s=%d pieces and were cut to it.", long, len(rows), side, key, length)
-    return [row[:length] for row in rows]
-
-
 @dataclass(frozen=True, kw_only=True)
 class Seq2SeqTask(Task):
     """The shared body of the seq2seq tasks; a task adds its data, scores and baseline."""
@@ -297,40 +153,20 @@ class Seq2SeqTask(Task):
 
     config: Config
     data: str | None = None
+    route: EncoderDecoderRoute | DecoderOnlyRoute = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        if self.decoder_only and self.config.data.prompt is None:
-            raise UserError(
-                f"A decoder-only {self.name} model (model.causal) reads a prompt: give data.prompt, with {SOURCE} "
-                "where the source goes (the smollm2 and gemma3 presets have theirs)."
-            )
-
-    @property
-    def decoder_only(self) -> bool:
-        """Whether the run takes the decoder-only route (tasks.nlp.completion)."""
-        return self.config.model.causal
+        # The route, chosen once: a causal model completes prompts, any other encodes sources.
+        route = DecoderOnlyRoute(self) if self.config.model.causal else EncoderDecoderRoute(self)
+        object.__setattr__(self, "route", route)
 
     @property
     def token_masks(self) -> tuple[str, ...]:
-        return ("mask",) if self.decoder_only else ("mask", "decoder_mask")
+        return self.route.token_masks
 
     @property
     def trim(self) -> dict[str, tuple[str, ...]]:
-        """Packed rows are full; the encoder-decoder's batches are cut to their longest source and target."""
-        if self.decoder_only:
-            return {}
-        return {"mask": ("inputs",), "decoder_mask": ("decoder_inputs", "targets", "target_mask")}
-
-    def route(self) -> str:
-        """The protocol's words on the decoder-only route (empty for the encoder-decoder)."""
-        if not self.decoder_only:
-            return ""
-        model = self.config.model.pretrained or "a decoder trained here"
-        return (
-            f"; decoder-only: {model} reads the prompt {self.config.data.prompt!r} (the chat template's user turn "
-            "where the checkpoint has one), the loss on the completion and its end token, pairs packed into rows "
-            f"of {self.config.model.max_len}"
-        )
+        return self.route.trim
 
     @abc.abstractmethod
     def pairs(self) -> Sequence[tuple[str, str]]:
@@ -341,18 +177,8 @@ class Seq2SeqTask(Task):
         """The task's classical baselines, scored as `score_generated` scores the model."""
 
     def baselines(self, train, test, featurizer) -> dict[str, dict]:
-        """The classical baselines, and for a pretrained decoder the checkpoint as it is (before
-        any fine-tuning) with the same prompt, decoded greedily: what a user would try first."""
-        found = self.text_baselines(train, test, featurizer)
-        name = self.config.model.pretrained
-        if self.decoder_only and name is not None:
-            from core.training.steps import build_model
-
-            model = build_model(self, featurizer, self.config, from_pretrained=True)
-            options = {**read_predict_options(self.predict_options, {}, self.name), "beams": 1, "temperature": 0.0}
-            generated = {"text": self.decode_texts(model, featurizer, test, options)}
-            found[f"zero_shot ({name}, greedy)"] = self.score_generated(generated, test, featurizer)
-        return found
+        """The classical baselines, and for a pretrained decoder the checkpoint as it is."""
+        return self.text_baselines(train, test, featurizer) | self.route.zero_shot(featurizer, test)
 
     def examples(self, split: str) -> list[dict]:
         examples = self.whole_split(split)
@@ -374,59 +200,13 @@ class Seq2SeqTask(Task):
         return None
 
     def fit_featurizer(self, train: Sequence[dict]) -> Seq2SeqFeaturizer | CompletionFeaturizer:
-        options = self.config.data
-        if self.decoder_only:
-            # A checkpoint used as it is (`--model`) is fitted on no examples; its glossary still
-            # comes from the training split.
-            train = train or self.examples("train")
-            featurizer = self._completion_featurizer(self._decoder_tokenizer(train), self.glossary(train))
-            if options.shortlist:
-                featurizer.shortlist = featurizer.covering(train)
-            return featurizer
-        if self.config.model.pretrained is not None:
-            raise UserError(
-                f"{self.config.model.pretrained} is not a decoder: the encoder-decoder route of {self.name} trains "
-                "from scratch, and the decoder-only one reads a causal checkpoint (--preset smollm2)."
-            )
-        sources, targets = [e["source"] for e in train], [e["target"] for e in train]
-        if options.shared_vocab:
-            source = target = Tokenizer.train(sources + targets, options.vocab_size)
-        else:
-            source, target = Tokenizer.train(sources, options.vocab_size), Tokenizer.train(targets, options.vocab_size)
-        text = TextSource(source, options.source_len, self.glossary(train))
-        return Seq2SeqFeaturizer(text, target, options.target_len)
-
-    def _decoder_tokenizer(self, train: Sequence[dict]) -> Tokenizer | PretrainedTokenizer:
-        """The checkpoint's tokenizer, or for a decoder built here one trained on both sides."""
-        if self.config.model.pretrained is not None:
-            return PretrainedTokenizer.from_checkpoint(self.config.model.pretrained)
-        texts = [text for e in train for text in (e["source"], e["target"])]
-        return Tokenizer.train(texts, self.config.data.vocab_size, "bpe", lossless=True)
-
-    def _completion_featurizer(self, tokenizer, glossary) -> CompletionFeaturizer:
-        data = self.config.data
-        return CompletionFeaturizer(
-            tokenizer, data.prompt, data.source_len, data.target_len, self.config.model.max_len, glossary
-        )
+        return self.route.fit_featurizer(train)
 
     def load_featurizer(self, directory: Path) -> Seq2SeqFeaturizer | CompletionFeaturizer:
-        data = self.config.data
-        if self.decoder_only:
-            return CompletionFeaturizer.load(
-                directory, data.prompt, data.source_len, data.target_len, self.config.model.max_len
-            )
-        return Seq2SeqFeaturizer.load_text(directory, data.source_len, data.target_len)
+        return self.route.load_featurizer(directory)
 
     def model(self, featurizer, config: Config, rngs: nnx.Rngs) -> EncoderDecoder | Model:
-        if self.decoder_only:
-            embedder = TokenEmbedder(featurizer.tokenizer.vocab_size, config.model.d_model, rngs=rngs)
-            head = TiedOutput(embedder, featurizer.shortlist)
-            return Model(embedder, Transformer(config.model, remat=config.train.remat, rngs=rngs), head)
-        d_model = config.model.d_model
-        source = featurizer.source.embedder(d_model, rngs)
-        target = source if featurizer.shared else TokenEmbedder(featurizer.target.vocab_size, d_model, rngs=rngs)
-        head = CopyOutput(target, d_model, rngs=rngs) if config.data.copy else TiedOutput(target)
-        return EncoderDecoder.build(config.model, source, target, head, remat=config.train.remat, rngs=rngs)
+        return self.route.model(featurizer, config, rngs)
 
     def loss(self, outputs: Projection | CopyProjection, batch: dict):
         return _cross_entropy(outputs, batch, self.config.optim.label_smoothing)
@@ -455,7 +235,7 @@ class Seq2SeqTask(Task):
             raise UserError(f"--beams {options['beams']}: must be at least 1 (1 is greedy, more search).")
         if options["mbr"] < 0:
             raise UserError(f"--mbr {options['mbr']}: must be at least 0 (0 is off).")
-        sources = examples if self.decoder_only else featurizer.source(examples)
+        sources = self.route.sources(featurizer, examples)
         if not options["mbr"]:
             return {"text": self.decode_texts(model, featurizer, sources, options)}
         if options["mbr_temperature"] <= 0:
@@ -476,34 +256,10 @@ class Seq2SeqTask(Task):
         by one decoding: beam search, or greedy / sampled with beams 1. Sources go in batches of
         `train.eval_batch_size` of similar lengths, padded to a `core.training.data.bucket_width` (few
         compiled shapes)."""
-        batch_size, data = self.config.train.eval_batch_size, self.config.data
         # A penalty left unset is the run's own (data.no_repeat_ngram, data.word_reward).
+        data = self.config.data
         options = {key: getattr(data, key) if value is None else value for key, value in options.items()}
-        if self.decoder_only:
-            return completion.decode_texts(model, featurizer, sources, options, data, batch_size)
-        texts: list[str] = [""] * len(sources)
-        lengths = [len(source) for source in sources]
-        for rows, filled, width in decoding_batches(lengths, batch_size, data.source_len):
-            settings = {
-                "max_new_tokens": max(1, min(data.target_len, int(data.max_len_a * width) + data.max_len_b)),
-                "start": Start((BOS,)),
-                "stop_tokens": (EOS,),
-                "width": width,
-            }
-            batch = [sources[i] for i in filled]
-            settings |= penalties.from_options(options)
-            if options["beams"] > 1:
-                beams = generate_beams_from_source(
-                    model, batch, beam_size=options["beams"], length_penalty=options["length_penalty"], **settings
-                )
-                tokens = beams.tokens[:, 0]
-            else:
-                tokens = generate_from_source(
-                    model, batch, temperature=options["temperature"], seed=options["seed"], **settings
-                ).tokens
-            for i, row in zip(rows, tokens):
-                texts[i] = featurizer.text(row)
-        return texts
+        return self.route.decode_texts(model, featurizer, sources, options)
 
     def parse_inputs(self, lines: Sequence[str], options: dict) -> list[dict]:
         sources = [line.strip() for line in lines if line.strip()]

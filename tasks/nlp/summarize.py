@@ -18,7 +18,7 @@ from typing import ClassVar
 import numpy as np
 from rouge_score import rouge_scorer
 
-from core.config import modern_blocks
+from core.presets import modern_blocks
 from core.task import final
 from tasks.common.reviews import reviews_path
 from tasks.nlp.seq2seq import Seq2SeqData, Seq2SeqTask, decoder_preset, preset
@@ -96,7 +96,8 @@ class SummarizeTask(Seq2SeqTask):
         return {
             "dataset": self.data or self.default_data,
             "protocol": "one pair per normalized document, split 90/5/5 by a hash of the document; greedy and beam "
-            "decoding; ROUGE-1/2/L F1 (rouge-score, Porter stemming) averaged over the examples" + self.route(),
+            "decoding; ROUGE-1/2/L F1 (rouge-score, Porter stemming) averaged over the examples"
+            + self.route.protocol(),
         }
 
     def score_generated(self, generated, examples, featurizer) -> dict[str, float]:

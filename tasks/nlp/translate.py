@@ -22,7 +22,8 @@ from typing import Any, ClassVar, Literal
 
 import sacrebleu
 
-from core.config import modern_blocks, require
+from core.config import require
+from core.presets import modern_blocks
 from core.task import final
 from tasks.nlp import freedict
 from tasks.nlp.pairs import normalized
@@ -162,7 +163,7 @@ class TranslateTask(Seq2SeqTask):
     def evaluated_decodings(self) -> dict[str, dict[str, Any]]:
         """Greedy and beam, and for the encoder-decoder minimum Bayes risk over both and 8
         samples, by chrF: ten decodings, too many for a pretrained decoder here."""
-        if self.decoder_only:
+        if not self.route.affords_mbr:
             return Seq2SeqTask.evaluated_decodings
         return {**Seq2SeqTask.evaluated_decodings, "mbr": {"beams": 4, "mbr": 8}}
 
@@ -195,7 +196,7 @@ class TranslateTask(Seq2SeqTask):
                 if self.config.data.glossary != "off"
                 else ""
             )
-            + self.route(),
+            + self.route.protocol(),
         }
 
     def score_generated(self, generated, examples, featurizer) -> dict:

@@ -22,9 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from core.config import Config, DataConfig, ModelConfig, OptimConfig, TrainConfig, modern_blocks, require, tiny_preset
+from core.config import Config, DataConfig, ModelConfig, OptimConfig, TrainConfig, require
 from core.errors import UserError
 from core.model.heads import TokenEmbedder
+from core.presets import modern_blocks, tiny_preset
 from core.task import Task
 from tasks.common.families import class_ids
 from tasks.protein import data as protein_data

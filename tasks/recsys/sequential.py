@@ -24,9 +24,10 @@ import numpy as np
 from flax import nnx
 
 from core import metrics as metric_lib
-from core.config import Config, ModelConfig, OptimConfig, TrainConfig, tiny_body, tiny_preset
+from core.config import Config, ModelConfig, OptimConfig, TrainConfig
 from core.errors import UserError
 from core.model.heads import Projection, TiedOutput, TokenEmbedder
+from core.presets import tiny_body, tiny_preset
 from core.run import Predictor
 from core.task import PredictOption, Task, final
 from core.training import losses

@@ -36,11 +36,12 @@ from flax import nnx
 
 from core.checkpoints import pretrained
 from core.checkpoints import whisper as core_whisper
-from core.config import Config, DataConfig, ModelConfig, OptimConfig, TrainConfig, require, tiny_body, tiny_preset
+from core.config import Config, DataConfig, ModelConfig, OptimConfig, TrainConfig, require
 from core.errors import UserError
 from core.generation import ctc
 from core.model.frontends import ConvSubsampling
 from core.model.heads import Projection
+from core.presets import tiny_body, tiny_preset
 from core.run import Predictor
 from core.task import PredictOption, Task, final, scored_positions
 from core.training import losses
