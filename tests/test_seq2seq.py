@@ -19,7 +19,7 @@ from core import run
 from core.generation.beam import beam_search, gnmt_penalty
 from core.task import read_predict_options
 from core.training.steps import build_model
-from tasks.nlp import freedict, seq2seq
+from tasks.nlp import encoder_decoder, freedict
 from tasks.nlp.decoding import minimum_bayes_risk
 from tasks.nlp.seq2seq import Seq2SeqTask
 
@@ -69,13 +69,13 @@ def test_decoding_limits_follow_the_source(monkeypatch):
     featurizer = task.fit_featurizer(task.examples("train"))
     model = build_model(task, featurizer, task.config)
     seen = []
-    original = seq2seq.generate_from_source
+    original = encoder_decoder.generate_from_source
 
     def spy(model, sources, **settings):
         seen.append((settings["width"], settings["max_new_tokens"]))
         return original(model, sources, **settings)
 
-    monkeypatch.setattr(seq2seq, "generate_from_source", spy)
+    monkeypatch.setattr(encoder_decoder, "generate_from_source", spy)
     options = {**DECODING, "beams": 1}
     task.generate(model, featurizer, [{"source": "red cat", "target": ""}], options)
     data = task.config.data
