@@ -103,6 +103,28 @@ class Featurizer(Protocol):
     def __call__(self, examples: Sequence[Example]) -> Batch: ...
 
 
+class ChatTokenizer(Protocol):
+    """What the server reads of a completing featurizer's tokenizer: its chat template (None:
+    the model takes no conversations) and the ids that end a generation."""
+
+    chat_template: str | None
+    stop_ids: Sequence[int]
+
+
+class CompletingFeaturizer(Featurizer, Protocol):
+    """The featurizer of a task that `completes` (`apps serve` gives it OpenAI's routes): texts and
+    conversations to the ids a decoder continues, and new ids back to text."""
+
+    tokenizer: ChatTokenizer
+
+    def prompt(self, example: Example, system: str = "") -> list[int]:
+        """The ids a generation continues: a conversation (`messages`) rendered with the chat
+        template (with `system` as its system message if given), or a text."""
+
+    def continuation(self, prompt: Sequence[int], new: Sequence[int]) -> str:
+        """The text that the `new` ids add after `prompt`."""
+
+
 class Task(abc.ABC):
     """What every registered task implements. Tasks subclass it: the abstract hooks are
     required (a registered task lacking one fails when its module is imported, naming it), the
@@ -209,9 +231,9 @@ class Task(abc.ABC):
     # choose otherwise for speed (speech: Whisper reads in its own 30 s windows; the Whisper
     # presets train on 10 s).
     zero_shot_overrides: ClassVar[tuple[str, ...]] = ()
-    # True for a language-modelling task whose featurizer turns texts and conversations into the
-    # ids a decoder continues (`prompt`, `continuation`): `apps serve` gives its runs OpenAI's
-    # completion endpoints (core/serving/server.py), continuously batched.
+    # True for a language-modelling task whose featurizer is a `CompletingFeaturizer` (texts and
+    # conversations into the ids a decoder continues): `apps serve` gives its runs OpenAI's
+    # completion endpoints (core.serving.completions), continuously batched.
     completes: ClassVar[bool] = False
 
     def generate(

@@ -21,7 +21,8 @@ from core.model import lora, precision
 from tasks.common import chat
 from tasks.common.tokenizer import PretrainedTokenizer
 from tasks.nlp import instructions
-from tasks.nlp.lm import LanguageModel, LMFeaturizer, LMTask
+from tasks.nlp.lm import LanguageModel, LMTask
+from tasks.nlp.lm_featurizer import LMFeaturizer
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,8 @@ from core import run
 from core.errors import UserError
 from core.generation.generate import generate_beams
 from tasks.common.tokenizer import BOS, EOS, PAD
-from tasks.nlp.lm import LanguageModel, LMFeaturizer, LMTask, characters, tiny
+from tasks.nlp.lm import LanguageModel, LMTask, tiny
+from tasks.nlp.lm_featurizer import LMFeaturizer, characters
 
 
 @pytest.fixture(scope="module")

@@ -112,7 +112,9 @@ class Engine:
         # placement would compile again for the second at the first request).
         device = jax.local_devices()[0]
         self.params = jax.device_put(narrowed(params, dtype), device)
-        cache_dtype = model.embedder.embedding.embedding[...].dtype
+        # The cache holds the activations the embedder gives the body, in their dtype (as `prefill`'s).
+        probe = jnp.zeros((1, 1), jnp.int32), jnp.ones((1, 1), bool)
+        cache_dtype = jax.eval_shape(lambda: model.embedder(*probe)[0]).dtype
         self.cache = jax.device_put(model.body.init_cache(slots, self.context, cache_dtype), device)
         self.waiting: queue.Queue[Request] = queue.Queue(maxsize=queue_size)
         self.active: list[Request | None] = [None] * slots

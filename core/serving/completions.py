@@ -24,6 +24,7 @@ from core.generation.slots import Request as Generation
 from core.serving.api import ApiError, Sampling, within
 from core.serving.metrics import Metrics
 from core.serving.models import Served
+from core.task import CompletingFeaturizer
 
 
 class Completions:
@@ -68,7 +69,7 @@ class Completions:
         seed = body.seed if body.seed is not None else secrets.randbits(31)
         events: asyncio.Queue = asyncio.Queue()  # every choice's new text, as it comes (for streaming)
         loop = asyncio.get_running_loop()
-        featurizer = served.predictor.featurizer
+        featurizer: CompletingFeaturizer = served.predictor.featurizer
         choices = []
         for index in range(len(prompts) * body.n):
             choice = Choice(featurizer.continuation, prompts[index // body.n], stops, index, events, loop)

@@ -46,6 +46,7 @@ from core.serving.batcher import Batcher
 from core.serving.completions import Completions
 from core.serving.metrics import Metrics
 from core.serving.models import Served, typed_options
+from core.task import CompletingFeaturizer
 
 log = logging.getLogger("apps")
 
@@ -211,7 +212,7 @@ class Server:
         @app.post("/v1/chat/completions")
         async def chat(body: ChatBody):
             served = self.model(body.model, generates=True)
-            featurizer = served.predictor.featurizer
+            featurizer: CompletingFeaturizer = served.predictor.featurizer
             if featurizer.tokenizer.chat_template is None:
                 raise ApiError(400, f"model: {served.name} has no chat template; use /v1/completions.", "model")
             messages = [m.model_dump() for m in body.messages]

@@ -36,7 +36,7 @@ from core.checkpoints import pretrained
 from core.config import Config, DataConfig, OptimConfig, TrainConfig, require
 from core.errors import UserError
 from core.generation import penalties
-from core.generation.detokenize import Detokenizer
+from core.generation.detokenize import TextStream
 from core.model.heads import Projection, TiedOutput, TokenEmbedder
 from core.presets import modern_blocks, tiny_preset
 from core.run import Predictor
@@ -45,6 +45,7 @@ from core.training import losses
 from tasks.common import chat
 from tasks.common.tokenizer import PretrainedTokenizer, Tokenizer, load_tokenizer
 from tasks.nlp import corpus, instructions
+from tasks.nlp.lm_featurizer import LMFeaturizer, characters
 from tasks.nlp.ngram import KneserNey, Unigram, bits_per_character
 
 
@@ -112,85 +113,6 @@ def gemma3() -> Config:
     some 15 minutes; it evaluates 2 rows at a time (8 rows of 512 x 262,144 float32 logits are
     4.3 GB a copy)."""
     return fine_tuned("gemma3-270m", "gemma3", steps=60, eval_batch_size=2)
-
-
-@dataclass
-class LMFeaturizer:
-    """The tokenizer (trained here, or a pretrained checkpoint's) and the row length: documents
-    -> packed rows of next-piece predictions."""
-
-    tokenizer: Tokenizer | PretrainedTokenizer
-    max_len: int
-
-    def save(self, directory: Path) -> None:
-        self.tokenizer.save(directory)
-
-    def pieces(self, examples: Sequence[dict]) -> list[list[int]]:
-        return self.tokenizer.pieces([e["text"] for e in examples])
-
-    def prompt(self, example: dict, system: str = "") -> list[int]:
-        """The ids that a generation continues: a conversation (`messages`) rendered with the
-        checkpoint's chat template, with `system` as its system message if given; or a text
-        after the start id, as documents begin in training."""
-        if "messages" in example:
-            if self.tokenizer.chat_template is None:
-                raise UserError(
-                    "--chat needs a checkpoint with a chat template (apps predict lm --model smollm2-135m-instruct "
-                    "--chat ...); this model's tokenizer has none."
-                )
-            return self.tokenizer.chat_ids(chat.with_system(example["messages"], system))
-        return [self.tokenizer.start_id, *self.tokenizer.pieces([example["text"]])[0]]
-
-    def continuation(self, prompt: Sequence[int], new: Sequence[int]) -> str:
-        """The text that `new` pieces add after `prompt`: decoded together, since a piece's
-        leading space is dropped at the start of a text but not after a prompt."""
-        return self.tokenizer.decode([*prompt, *new])[len(self.tokenizer.decode(prompt)) :]
-
-    def __call__(self, examples: Sequence[dict]) -> dict[str, np.ndarray]:
-        if examples and "text" in examples[0] and ("messages" in examples[0] or "completion" in examples[0]):
-            tokenized = [instructions.tokenize(self.tokenizer, e, f"example {i}") for i, e in enumerate(examples, 1)]
-            return instructions.pack(tokenized, self.max_len, self.tokenizer.pad_id)
-        start, end = self.tokenizer.start_id, self.tokenizer.eos_id
-        # Documents as [start] pieces [end]; for a tokenizer that adds no BOS (start is EOS) one
-        # EOS separates two documents, as in GPT-2's training: [EOS] doc [EOS] doc [EOS].
-        prefix = [start] if start != end else []
-        documents = [np.asarray([*prefix, *ids, end], np.int32) for ids in self.pieces(examples)]
-        stream = np.concatenate([np.asarray([] if prefix else [end], np.int32), *documents])
-        # The starts are given, never predicted: each document's BOS, or the leading EOS.
-        predicted = np.ones(len(stream), bool)
-        predicted[np.cumsum([0, *map(len, documents[:-1])]) if prefix else 0] = False
-        # Row r reads the stream from r * stride on and predicts each piece from the one before;
-        # a row that begins with BOS spends its first position on it (read, never scored).
-        lead = 0 if self.row_start is None else 1
-        length, stride = self.max_len, self.max_len - lead
-        rows = max(1, -(-(len(stream) - 1) // stride))
-        read = np.arange(rows)[:, None] * stride + np.arange(length)[None, :] - lead
-        padded = np.append(stream, np.full(rows * stride + 1 - len(stream), self.tokenizer.pad_id, np.int32))
-        scored = np.append(predicted, np.zeros(len(padded) - len(stream), bool))
-        inputs = padded[np.maximum(read, 0)]
-        if lead:
-            inputs[:, 0] = self.row_start
-        return {
-            "inputs": inputs,
-            "mask": read < len(stream) - 1,
-            "targets": padded[read + 1],
-            "target_mask": scored[read + 1] & (np.arange(length) >= lead),
-            "weights": np.ones(rows, np.float32),
-        }
-
-    @property
-    def row_start(self) -> int | None:
-        """The id that every row begins with: BOS for a pretrained model whose tokenizer adds it to
-        every text (Gemma was trained so, and reads worse without it); none otherwise, where a row
-        is a plain window on the stream."""
-        tokenizer = self.tokenizer
-        return tokenizer.bos_id if isinstance(tokenizer, PretrainedTokenizer) and tokenizer.add_bos else None
-
-
-def characters(examples: Sequence[dict]) -> int:
-    """The characters that a split's predictions cover: every text, plus one per document end
-    (for instruction data, the answers, plus one per answer's end)."""
-    return sum(len(e["text"]) + 1 for e in examples)
 
 
 @final
@@ -358,7 +280,7 @@ class LMTask(Task):
             "stop_tokens": stops,
             **penalties.from_options(options),
         }
-        stream = None if on_text is None else _Stream(featurizer, prompts[0], on_text, stops)
+        stream = None if on_text is None else TextStream(featurizer.continuation, prompts[0], on_text, stops)
         tokens, lengths = generation.best_continuations(model, prompts, options, stream, **settings)
         new = [row[:length][~np.isin(row[:length], stops)] for row, length in zip(tokens, lengths)]
         texts = [featurizer.continuation(prompt, ids) for prompt, ids in zip(prompts, new)]
@@ -419,25 +341,3 @@ def _scores(nll: float, predictions: int, chars: int) -> dict[str, float]:
     """Loss, perplexity and bits per character from a summed negative log-likelihood in nats."""
     loss = nll / max(predictions, 1)
     return {"loss": loss, "perplexity": math.exp(loss), "bits_per_character": bits_per_character(-nll, chars)}
-
-
-class _Stream:
-    """Turns the first row's new tokens, as the decode loop produces them, into new text."""
-
-    def __init__(self, featurizer: LMFeaturizer, prompt: Sequence[int], on_text, stops: Sequence[int]):
-        self.text_of, self.on_text, self.stops = Detokenizer(featurizer.continuation, prompt), on_text, set(stops)
-        self.text = ""
-
-    def __call__(self, tokens: np.ndarray, active: np.ndarray) -> None:
-        if not active[0] or int(tokens[0]) in self.stops:
-            return
-        text = self.text_of.add(int(tokens[0]))
-        if text is not None:
-            self.on_text(text[len(self.text) :])
-            self.text = text
-
-    def finish(self, text: str) -> None:
-        """Sends what the stream held back (bytes that never completed a character; all of a
-        beam search's text, which streams nothing), so that the streamed text is the answer."""
-        if text.startswith(self.text) and len(text) > len(self.text):
-            self.on_text(text[len(self.text) :])

@@ -1,10 +1,9 @@
-"""Speech recognition on log-mel spectrograms: a Transformer encoder trained with CTC.
+"""Speech recognition on log-mel spectrograms: a Transformer encoder trained with CTC, or Whisper.
 
-The model is the core's default composition with a speech front end: 80-bin log-mel frames
-(tasks/speech/audio.py) -> `core.model.frontends.ConvSubsampling` (4x fewer positions, 40 ms each) ->
-the encoder stack (rotary positions) -> a linear CTC head over characters, blank id 0 ->
-`core.training.losses.ctc_loss`. Decoding is greedy on device during training and validation, and
-greedy or CTC prefix beam search (`core.generation.ctc`) in `apps eval` and `apps predict`.
+The task takes one of two routes, chosen when it is made (`route`): a CTC encoder built here
+(`tasks.speech.ctc`), or Whisper's encoder-decoder, pretrained or in its shape
+(`tasks.speech.whisper`). The route supplies the featurizer, the model, the loss and the
+decoding; the task the data, the scores, SpecAugment and the inputs.
 
 Default data: the embedded corpus that eSpeak NG renders (tasks/speech/corpus.py): review
 sentences (`base`) or digit strings (`--preset digits`), tested on held-out voices. `--data`
@@ -23,33 +22,27 @@ from __future__ import annotations
 
 import base64
 import dataclasses
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal, NamedTuple
+from typing import Any, ClassVar, Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from core.checkpoints import pretrained
-from core.checkpoints import whisper as core_whisper
 from core.config import Config, DataConfig, ModelConfig, OptimConfig, TrainConfig, require
 from core.errors import UserError
-from core.generation import ctc
-from core.model.frontends import ConvSubsampling
 from core.model.heads import Projection
 from core.presets import tiny_body, tiny_preset
 from core.run import Predictor
-from core.task import PredictOption, Task, final, scored_positions
-from core.training import losses
-from core.training.data import decoding_batches
+from core.task import PredictOption, Task, final
 from tasks.speech import audio, corpus
-from tasks.speech.featurizer import SpeechFeaturizer, fit_featurizer
+from tasks.speech.ctc import CTCOutputs, CTCRoute
+from tasks.speech.featurizer import SpeechFeaturizer
 from tasks.speech.scoring import NORMALIZATION, grouped_error_rates
-from tasks.speech.whisper import WhisperFeaturizer, transcribe
+from tasks.speech.whisper import WhisperFeaturizer, WhisperRoute
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -152,21 +145,6 @@ def whisper_base() -> Config:
     return whisper_preset("whisper-base", "whisper-base", batch_size=8, learning_rate=1e-5)
 
 
-class CTCOutputs(NamedTuple):
-    """Per-position logits [B, T', V] (float32) and the front end's mask [B, T']."""
-
-    logits: jax.Array
-    mask: jax.Array
-
-
-class CTCHead(nnx.Module):
-    def __init__(self, d_model: int, vocab_size: int, *, rngs: nnx.Rngs):
-        self.linear = nnx.Linear(d_model, vocab_size, rngs=rngs)
-
-    def __call__(self, hidden: jax.Array, mask: jax.Array) -> CTCOutputs:
-        return CTCOutputs(self.linear(hidden).astype(jnp.float32), mask)
-
-
 @final
 @dataclass(frozen=True, kw_only=True)
 class SpeechTask(Task):
@@ -206,33 +184,21 @@ class SpeechTask(Task):
     config: Config
     data: str | None = None
 
-    def __post_init__(self):
-        smoothing = self.config.optim.label_smoothing
-        if not self.whisper:
-            require(
-                smoothing == 0, "optim.label_smoothing", smoothing, "must be 0: the CTC loss has no label smoothing"
-            )
+    route: CTCRoute | WhisperRoute = dataclasses.field(init=False, repr=False, compare=False)
 
-    @property
-    def whisper(self) -> bool:
-        """Whether the model is Whisper's encoder-decoder (tasks/speech/whisper.py): a Whisper
-        checkpoint's architecture, or one built in its shape (`model.decoder_layers` set),
-        rather than the CTC encoder."""
-        return self.config.model.decoder_layers is not None
+    def __post_init__(self):
+        # The route, chosen once: Whisper's encoder-decoder (a Whisper checkpoint, or a model in
+        # its shape: `model.decoder_layers` set), else the CTC encoder.
+        whisper = self.config.model.decoder_layers is not None
+        object.__setattr__(self, "route", WhisperRoute(self) if whisper else CTCRoute(self))
 
     @property
     def validation_decoding(self) -> dict[str, Any] | None:
-        """Whisper's validation WER is of greedy transcripts (without the temperature fallback,
-        which would cost a looping early checkpoint five samples per window and temperature);
-        CTC's comes from `score`."""
-        return {"beam_width": 1, "fallback": False} if self.whisper else None
+        return self.route.validation_decoding
 
     @property
     def evaluated_decodings(self) -> dict[str, dict[str, Any]]:
-        """CTC scores its greedy paths on the device (`score`); Whisper generates both."""
-        if self.whisper:
-            return {"greedy": {"beam_width": 1}, "beam": {"beam_width": 5}}
-        return {"beam": {"beam_width": 8}}
+        return self.route.evaluated_decodings
 
     @property
     def corpus(self) -> str | None:
@@ -264,68 +230,25 @@ class SpeechTask(Task):
         }
 
     def fit_featurizer(self, train: Sequence[dict]) -> SpeechFeaturizer | WhisperFeaturizer:
-        if self.whisper:
-            checkpoint = self.config.model.pretrained or self.config.data.whisper_tokenizer
-            return WhisperFeaturizer.from_checkpoint(checkpoint, self.config.data)
-        return fit_featurizer(train, self.config.data)
+        return self.route.fit_featurizer(train)
 
     def load_featurizer(self, directory: Path) -> SpeechFeaturizer | WhisperFeaturizer:
-        if self.whisper:
-            return self.fit_featurizer([])
-        return SpeechFeaturizer.load(directory, self.config.data)
+        return self.route.load_featurizer(directory)
 
     def model(self, featurizer, config: Config, rngs: nnx.Rngs) -> nnx.Module:
-        if self.whisper:
-            vocab_size = pretrained.read_checkpoint(featurizer.checkpoint).vocab_size
-            return core_whisper.build(config.model, featurizer.mel_bins, vocab_size, rngs)
-        return super().model(featurizer, config, rngs)
-
-    def embedder(self, featurizer: SpeechFeaturizer, rngs: nnx.Rngs) -> nnx.Module:
-        options = self.config.data
-        return ConvSubsampling(
-            featurizer.num_mels,
-            self.config.model.d_model,
-            channels=options.conv_channels,
-            layers=options.subsampling_layers,
-            rngs=rngs,
-        )
-
-    def head(self, featurizer: SpeechFeaturizer, embedder: nnx.Module, rngs: nnx.Rngs) -> nnx.Module:
-        return CTCHead(self.config.model.d_model, featurizer.vocab_size, rngs=rngs)
+        return self.route.model(featurizer, config, rngs)
 
     def loss(self, outputs: CTCOutputs | Projection, batch: dict):
-        if self.whisper:
-            smoothing = self.config.optim.label_smoothing
-            return losses.linear_cross_entropy(
-                outputs.hidden, outputs.weight, batch["targets"], scored_positions(batch), smoothing
-            )
-        return losses.ctc_loss(outputs.logits, outputs.mask, batch["targets"], batch["target_mask"], batch["weights"])
+        return self.route.loss(outputs, batch)
 
     def metrics(self, outputs: CTCOutputs | Projection, batch: dict):
-        if self.whisper:
-            return {
-                "nll": losses.linear_cross_entropy(
-                    outputs.hidden, outputs.weight, batch["targets"], scored_positions(batch)
-                )
-            }
-        total, _ = self.loss(outputs, batch)
-        labels = (batch["target_mask"].sum(-1) * batch["weights"]).sum()
-        return {"loss_per_label": (total, labels.astype(jnp.float32))}
+        return self.route.metrics(outputs, batch)
 
     def decode(self, outputs: CTCOutputs | Projection, batch: dict) -> dict[str, jax.Array]:
-        if self.whisper:
-            return {}  # transcripts are generated (`generate`), not read off the teacher-forced pass
-        # The best path's ids; merged and stripped of blanks on the host (`score`).
-        return {"path": outputs.logits.argmax(-1).astype(jnp.int32), "length": outputs.mask.sum(-1)}
+        return self.route.decode(outputs, batch)
 
-    def score(self, predictions, examples: Sequence[dict], featurizer: SpeechFeaturizer) -> dict[str, float]:
-        if self.whisper:
-            return {}
-        texts = [
-            featurizer.decode(ctc.collapse(path[:length]))
-            for path, length in zip(predictions["path"], predictions["length"])
-        ]
-        return self.score_generated({"text": texts}, examples, featurizer)
+    def score(self, predictions, examples: Sequence[dict], featurizer) -> dict[str, float]:
+        return self.route.score(predictions, examples, featurizer)
 
     def score_generated(self, generated: dict, examples: Sequence[dict], featurizer: SpeechFeaturizer):
         return grouped_error_rates(
@@ -364,37 +287,11 @@ class SpeechTask(Task):
         keep = batch["keep_frames"][:, :, None] & batch["keep_bins"][:, None, :]
         return {**batch, "inputs": jnp.where(keep, inputs, 0).astype(inputs.dtype)}
 
-    def generate(self, model, featurizer: SpeechFeaturizer, examples, options: dict, on_text=None) -> dict:
-        """Transcripts of the examples: greedy (`beam_width` 1) or CTC prefix beam search over
-        the model's log-probabilities. Clips go in batches of similar lengths, padded to a
-        `core.training.data.bucket_width` of frames (few compiled shapes)."""
-        width = options["beam_width"]
-        if width < 1:
-            raise UserError(f"--beam-width {width}: must be at least 1 (1 is greedy).")
-        if not self.whisper and (options["language"] or options["task"]):
-            raise UserError("--language and --task choose Whisper's prompt; a CTC model reads one language only.")
-        if self.whisper:
-            prompt = featurizer.decoding(options["language"], options["task"])
-            batch_size, fallback = self.config.train.eval_batch_size, options.get("fallback", True)
-            texts, _ = transcribe(model, featurizer, examples, prompt, width, batch_size, fallback)
-            if on_text is not None and texts:
-                on_text("  " + texts[0])
-            return {"text": texts}
-        arrays = featurizer(examples)
-        graphdef, state = nnx.split(model)
-        forward = _forward(graphdef)
-        texts = [""] * len(examples)
-        lengths, batch_size = arrays["mask"].sum(1), self.config.train.eval_batch_size
-        for rows, padded, frames in decoding_batches(lengths, batch_size, arrays["mask"].shape[1]):
-            batch = {key: arrays[key][padded, :frames] for key in ("inputs", "mask")}
-            log_probs, kept = jax.device_get(forward(state, batch))
-            for i, row in enumerate(rows):
-                frame_log_probs = log_probs[i, : kept[i]]
-                if width == 1:
-                    ids = ctc.greedy(frame_log_probs)
-                else:
-                    ids = ctc.prefix_beam_search(frame_log_probs, width)
-                texts[row] = featurizer.decode(ids)
+    def generate(self, model, featurizer, examples, options: dict, on_text=None) -> dict:
+        """Transcripts of the examples, by the route's decoding (`beam_width` 1: greedy)."""
+        if options["beam_width"] < 1:
+            raise UserError(f"--beam-width {options['beam_width']}: must be at least 1 (1 is greedy).")
+        texts = self.route.transcribe(model, featurizer, examples, options)
         if on_text is not None and texts:
             on_text("  " + texts[0])
         return {"text": texts}
@@ -432,18 +329,6 @@ def voice_groups(example: dict) -> tuple[str, ...]:
     accent, _, variant = voice.partition("+")
     accent_group = accent if accent == corpus.ACCENT_HELD_OUT else "seen-accents"
     return (f"variant-{variant}", accent_group) if variant in corpus.VARIANTS_HELD_OUT else (accent_group,)
-
-
-@functools.cache
-def _forward(graphdef):
-    """A jitted forward to per-frame log-probabilities and kept lengths, per model graph."""
-
-    @jax.jit
-    def forward(state, batch):
-        outputs = nnx.merge(graphdef, state)(batch)
-        return jax.nn.log_softmax(outputs.logits), outputs.mask.sum(-1)
-
-    return forward
 
 
 def as_float_samples(samples) -> np.ndarray:

@@ -1,6 +1,7 @@
-"""Whisper in the speech task: its featurizer, windows over long audio, and transcription.
+"""Whisper in the speech task: its featurizer, windows over long audio, transcription, and the
+task's route (`WhisperRoute`: the model, loss and decoding of a Whisper run).
 
-The speech task takes this path when its model is an encoder-decoder (`model.decoder_layers`
+The speech task takes this route when its model is an encoder-decoder (`model.decoder_layers`
 set: a Whisper checkpoint's `model.pretrained`, which the config adopts, or a model built from
 scratch in Whisper's shape). The encoder reads `tasks.speech.audio.whisper_log_mel` of a
 window (the clip padded with silence) of `data.max_seconds`, at most 30 s: Whisper was trained
@@ -25,17 +26,26 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
+from flax import nnx
 
-from core.checkpoints import whisper
+from core.checkpoints import pretrained, whisper
+from core.config import Config
 from core.errors import UserError
 from core.generation.beam import gnmt_penalty
 from core.generation.seq2seq import generate_beams_from_source, generate_from_source
 from core.model.encoder_decoder import Start
+from core.model.heads import Projection
+from core.task import scored_positions
+from core.training import losses
 from tasks.common.tokenizer import PretrainedTokenizer
 from tasks.speech import audio as audio_lib
 from tasks.speech.featurizer import clip, describe
+
+if TYPE_CHECKING:
+    from tasks.speech.asr import SpeechTask
 
 WINDOW_SAMPLES = audio_lib.WHISPER_FRAMES * audio_lib.HOP  # 30 s, as Whisper was trained
 SEARCH_SAMPLES = 5 * audio_lib.SAMPLE_RATE  # where a window's cut is looked for: its last 5 s
@@ -238,3 +248,50 @@ def _decode(
             text_tokens = int(length) - int(length > 0 and ids[length - 1] == featurizer.vocabulary.end)
             decoded.append((featurizer.decode(ids[:length]), float(log_prob) / (text_tokens + 1), float(p)))
     return decoded
+
+
+class WhisperRoute:
+    """How the speech task trains, scores and decodes Whisper's encoder-decoder."""
+
+    # Validation WER is of greedy transcripts (without the temperature fallback, which would
+    # cost a looping early checkpoint five samples per window and temperature); evaluation
+    # generates greedy and beam transcripts.
+    validation_decoding: ClassVar[dict[str, Any] | None] = {"beam_width": 1, "fallback": False}
+    evaluated_decodings: ClassVar[dict[str, dict[str, Any]]] = {"greedy": {"beam_width": 1}, "beam": {"beam_width": 5}}
+
+    def __init__(self, task: SpeechTask):
+        self.task = task
+
+    def fit_featurizer(self, train: Sequence[dict]) -> WhisperFeaturizer:
+        config = self.task.config
+        return WhisperFeaturizer.from_checkpoint(config.model.pretrained or config.data.whisper_tokenizer, config.data)
+
+    def load_featurizer(self, directory: Path) -> WhisperFeaturizer:
+        return self.fit_featurizer([])
+
+    def model(self, featurizer: WhisperFeaturizer, config: Config, rngs: nnx.Rngs) -> nnx.Module:
+        vocab_size = pretrained.read_checkpoint(featurizer.checkpoint).vocab_size
+        return whisper.build(config.model, featurizer.mel_bins, vocab_size, rngs)
+
+    def loss(self, outputs: Projection, batch: dict):
+        smoothing = self.task.config.optim.label_smoothing
+        return losses.linear_cross_entropy(
+            outputs.hidden, outputs.weight, batch["targets"], scored_positions(batch), smoothing
+        )
+
+    def metrics(self, outputs: Projection, batch: dict):
+        nll = losses.linear_cross_entropy(outputs.hidden, outputs.weight, batch["targets"], scored_positions(batch))
+        return {"nll": nll}
+
+    def decode(self, outputs: Projection, batch: dict) -> dict:
+        return {}  # transcripts are generated (`transcribe`), not read off the teacher-forced pass
+
+    def score(self, predictions, examples: Sequence[dict], featurizer: WhisperFeaturizer) -> dict[str, float]:
+        return {}
+
+    def transcribe(self, model, featurizer: WhisperFeaturizer, examples, options: dict) -> list[str]:
+        """Each clip's transcript, window by window (`transcribe`), in the prompt's language and task."""
+        prompt = featurizer.decoding(options["language"], options["task"])
+        batch_size, fallback = self.task.config.train.eval_batch_size, options.get("fallback", True)
+        texts, _ = transcribe(model, featurizer, examples, prompt, options["beam_width"], batch_size, fallback)
+        return texts
