@@ -19,7 +19,7 @@ from rich.console import Console
 
 from core.bench.speed import figures
 from core.errors import UserError
-from core.task import read_predict_options
+from core.task import predict_option_values
 from core.training import data as data_lib
 from core.training import sharding
 from core.training.steps import build_model, make_steps
@@ -85,7 +85,7 @@ def _measure(task_type: type, config, steps: int) -> dict[str, float]:
                 times.append(time.perf_counter() - started)
     tokens = sum(int(batch[key].sum()) for batch in batches for key in task.token_masks)
     test = task.examples("test")[:DECODED]
-    options = {**read_predict_options(task.predict_options, {}, task.name), "beams": 1, "temperature": 0.0}
+    options = {**predict_option_values(task, {}), "beams": 1, "temperature": 0.0}
     trained = compiled.model(state["params"])
     task.generate(trained, featurizer, test, options)
     started = time.perf_counter()

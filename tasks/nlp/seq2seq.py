@@ -44,7 +44,7 @@ from core.generation.seq2seq import generate_beams_from_source, generate_from_so
 from core.model.encoder_decoder import EncoderDecoder, Start
 from core.model.heads import CopyOutput, CopyProjection, Projection, TiedOutput, TokenEmbedder
 from core.model.transformer import Model, Transformer
-from core.task import PredictOption, Task, read_predict_options, scored_positions
+from core.task import PredictOption, Task, predict_option_values, scored_positions
 from core.training import losses
 from core.training.data import decoding_batches
 from tasks.common.tokenizer import BOS, EOS, PAD, PretrainedTokenizer, Tokenizer
@@ -349,7 +349,7 @@ class Seq2SeqTask(Task):
             from core.training.steps import build_model
 
             model = build_model(self, featurizer, self.config, from_pretrained=True)
-            options = {**read_predict_options(self.predict_options, {}, self.name), "beams": 1, "temperature": 0.0}
+            options = {**predict_option_values(self, {}), "beams": 1, "temperature": 0.0}
             generated = {"text": self.decode_texts(model, featurizer, test, options)}
             found[f"zero_shot ({name}, greedy)"] = self.score_generated(generated, test, featurizer)
         return found
@@ -511,7 +511,7 @@ class Seq2SeqTask(Task):
             raise UserError(f"apps predict {self.name} needs at least one non-empty text (as arguments or on stdin).")
         return [{"source": source, "target": ""} for source in sources]
 
-    def render(self, predictions, examples, featurizer) -> list[dict[str, str]]:
+    def render(self, predictions, examples, featurizer) -> list[dict[str, Any]]:
         return [{"source": e["source"], self.output_name: text} for e, text in zip(examples, predictions["text"])]
 
 
