@@ -41,7 +41,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -m "slow or not slow"
 
 bench: $(STAMP)
-	$(BIN)/apps bench
+	$(BIN)/apps bench train
 
 lint: $(STAMP)
 	$(BIN)/ruff format --check . && $(BIN)/ruff check .

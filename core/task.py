@@ -141,6 +141,25 @@ def scored_positions(batch: Batch) -> jax.Array:
     return batch["target_mask"] & (batch["weights"][:, None] > 0)
 
 
+class Trainable(Protocol):
+    """What the core's compiled steps read of a task (`core.training.steps.build_model` and
+    `make_steps`): its config, model, loss, streamed metrics, decoding and on-device
+    augmentation. Every `Task` is one; a benchmark's model over random tokens
+    (`core.bench.causal.CausalLM`) is one without data, featurizer or scores."""
+
+    config: Config
+
+    def model(self, featurizer: Any, config: Config, rngs: nnx.Rngs) -> nnx.Module: ...
+
+    def loss(self, outputs: Any, batch: Batch) -> tuple[jax.Array, jax.Array]: ...
+
+    def metrics(self, outputs: Any, batch: Batch) -> Streamed: ...
+
+    def decode(self, outputs: Any, batch: Batch) -> dict[str, jax.Array]: ...
+
+    def augment_on_device(self, batch: Batch) -> Batch: ...
+
+
 class Featurizer(Protocol):
     """Learned preprocessing (tokenizer, label map): fitted on the training split, saved in the
     workdir, and turning examples into a numpy batch."""

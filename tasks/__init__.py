@@ -47,3 +47,34 @@ def pipeline(
     from core.predict import Predictor
 
     return Predictor(get(name), workdir, data, model=model, dtype=dtype)
+
+
+def tables(for_people: bool = True) -> dict[str, list[dict]]:
+    """`apps tasks`: the tasks with their default data, model, metrics and presets, the options
+    of `apps predict` and the prompts of the presets on a pretrained decoder, as titled rows.
+    `for_people`: two columns, the fields one a line (it reads at 80 columns), prompts quoted."""
+    listed, options, prompts = [], [], []
+    for name in sorted(REGISTRY):
+        task = get(name)
+        presets = ", ".join(f"{p}*" if p == task.default_preset else p for p in task.presets)
+        fields = {
+            "what": task.summary,
+            "default data": task.default_data,
+            "model": task.model_summary,
+            "metrics": ", ".join(task.metric_names),
+            "presets": presets,
+        }
+        if for_people:
+            what = fields.pop("what")
+            fields = {"about": "\n".join([what, *(f"{key}: {value}" for key, value in fields.items())])}
+        listed.append({"task": name, **fields})
+        for option in task.predict_options:
+            value = "" if option.type is bool else f" {option.type.__name__.upper()}"  # a switch takes none
+            options.append({"task": name, "option": option.flag + value, "help": option.help})
+        for preset, prompt in task.prompts.items():
+            prompts.append({"task": name, "preset": preset, "prompt": repr(prompt) if for_people else prompt})
+    return {
+        "Tasks (* the default preset)": listed,
+        "apps predict TASK options": options,
+        "Prompts of the presets on a pretrained decoder (data.prompt)": prompts,
+    }
