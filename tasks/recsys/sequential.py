@@ -247,10 +247,10 @@ class RecsysTask(Task):
             if unknown:
                 log.warning("Skipped item ids unknown to the model: %s", ", ".join(unknown))
             for rank, (index, score) in enumerate(zip(items, scores), start=1):
-                item = featurizer.item(int(index))
+                item = str(featurizer.item(int(index)))  # Python's str: the log's ids may be numpy's
                 rows.append(
                     {
-                        "user": example["user"],
+                        "user": str(example["user"]),
                         "rank": rank,
                         "item": item,
                         "title": featurizer.titles.get(item, ""),
