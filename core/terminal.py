@@ -49,9 +49,9 @@ def write(tables: dict[str, list[dict]], form: str, output: Path | None = None, 
         _print_tables(tables, console() if output is None else Console(file=text, highlight=False, width=160))
     elif form == "json":
         whole = document if document is not None else dict(tables) if several else rows
-        text.write(json.dumps(whole, ensure_ascii=False, indent=2) + "\n")
+        text.write(json.dumps(whole, ensure_ascii=False, indent=2, default=_plain) + "\n")
     elif form == "jsonl":
-        text.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+        text.writelines(json.dumps(row, ensure_ascii=False, default=_plain) + "\n" for row in rows)
     else:
         writer = csv.DictWriter(text, fieldnames=list(dict.fromkeys(key for row in rows for key in row)))
         writer.writeheader()
@@ -90,8 +90,15 @@ def _csv_cell(value) -> str:
     """A value in a CSV cell, in full: a float as Python's shortest exact repr, a list or a dict
     as JSON."""
     if isinstance(value, list | tuple | dict):
-        return json.dumps(value, ensure_ascii=False)
+        return json.dumps(value, ensure_ascii=False, default=_plain)
     return "" if value is None else str(value)
+
+
+def _plain(value):
+    """A numpy scalar or array (from a task of the user's own) as the Python value JSON takes."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} is not a value a row can hold")
 
 
 def metric_rows(metrics: dict, columns: dict | None = None) -> list[dict]:
