@@ -317,8 +317,7 @@ def serve(
 ) -> None:
     """Serve trained runs and pretrained decoders over HTTP.
 
-    /v1/TASK/predict for every task; OpenAI's /v1/completions and /v1/chat/completions for
-    language models."""
+    /v1/TASK/predict for every task; OpenAI's completions and chat for language models."""
     from core.serving import launch
 
     settings = launch.Settings(

@@ -37,7 +37,7 @@ DtypeOpt = Annotated[
 @user_errors
 def bench_train(
     configs: Annotated[
-        Optional[list[str]], typer.Argument(metavar="[CONFIG]...", help="small, big (default: both).")
+        Optional[list[str]], typer.Argument(metavar="CONFIG", help="small, big (default: both).")
     ] = None,
     steps: Annotated[int, typer.Option(metavar="N", help="Timed steps per config, after warm-up.")] = 10,
     json_path: JsonOpt = None,
@@ -53,15 +53,14 @@ def bench_train(
 def bench_decode(
     models: Annotated[
         Optional[list[str]],
-        typer.Argument(metavar="[SHAPE]...", help="Random-weight decoders: small, gpt2 (default: both)."),
+        typer.Argument(metavar="SHAPE", help="Random-weight decoders: small, gpt2 (default: both)."),
     ] = None,
     model: ModelOpt = None,
     json_path: JsonOpt = None,
 ) -> None:
     """Greedy decoding speed, new tokens/s.
 
-    Decoders of random weights with and without the KV cache, or a pretrained --model with
-    float32 and bfloat16 weights."""
+    Random weights with and without the KV cache, or a --model in float32 and bfloat16."""
     from core.bench import checkpoint, decode
 
     if model is not None and models:
@@ -127,8 +126,7 @@ def bench_serve(
 ) -> None:
     """`apps serve` of a language model under concurrent clients.
 
-    SmolLM2 by default, served with its slots and with one, beside --against servers:
-    requests/s, tokens/s, latency percentiles."""
+    SmolLM2 by default, with its slots and with one, beside --against servers."""
     from core.serving import load
 
     try:
