@@ -1,5 +1,6 @@
-# Two commands set up a fresh machine: `make demo` (train and evaluate sentiment on the
-# embedded reviews) and `make test` (the whole test suite). Both install first, idempotently.
+# Two commands set up a fresh machine: `make demo` (a pretrained encoder fine-tuned on the
+# embedded reviews, scored beside TF-IDF) and `make test` (the whole test suite). Both install
+# first, idempotently.
 PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
@@ -32,16 +33,22 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
+# all-MiniLM-L6-v2 (`--preset minilm`) fine-tuned for 64 steps on a tenth of the training reviews
+# (1,586), then scored on the whole test split beside TF-IDF + logistic regression fitted on the
+# same tenth. One run: test macro-F1 0.836 against 0.657 (accuracy 0.943 against 0.905), in 7 min
+# 23 s on 2 cores shared with other work (12 training examples/s, 20 on a quiet machine: about
+# 5 minutes). The preset's full run (15 minutes, macro-F1 0.933) is in the README.
 demo: $(STAMP)
-	$(BIN)/apps train sentiment --workdir runs/sentiment
-	$(BIN)/apps eval sentiment --workdir runs/sentiment --split test
-	$(BIN)/apps predict sentiment --workdir runs/sentiment "Runs small but the fabric is lovely" "Cheap material, it fell apart after one wash"
+	$(BIN)/apps train sentiment --preset minilm --workdir runs/demo \
+		--set data.train_fraction=0.1 --set train.steps=64 --set optim.warmup_steps=8
+	$(BIN)/apps eval sentiment --workdir runs/demo --split test
+	$(BIN)/apps predict sentiment --workdir runs/demo "Runs small but the fabric is lovely" "Cheap material, it fell apart after one wash"
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -m "slow or not slow"
 
 bench: $(STAMP)
-	$(BIN)/apps bench
+	$(BIN)/apps bench train
 
 lint: $(STAMP)
 	$(BIN)/ruff format --check . && $(BIN)/ruff check .

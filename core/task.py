@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import abc
 import inspect
-from collections.abc import Callable, Sequence
+import numbers
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
@@ -58,26 +59,72 @@ class PredictOption:
         return "--" + self.name.replace("_", "-")
 
 
-def read_predict_options(declared: Sequence[PredictOption], given: dict[str, str], task: str) -> dict[str, Any]:
-    """Every declared option's value: the given text read with the option's type, else its default."""
-    by_flag = {option.flag: option for option in declared}
-    unknown = [flag for flag in given if flag not in by_flag]
+class PredictOptionError(UserError):
+    """A predict option that the task does not take, or a value that its type does not allow:
+    `name` is the option's, `detail` the message without it (an HTTP layer names the field
+    `options.NAME` and gives the detail)."""
+
+    def __init__(self, message: str, name: str, detail: str):
+        super().__init__(message)
+        self.name, self.detail = name, detail
+
+
+def predict_option_values(task, given: Mapping[str, Any], *, command_line: bool = False) -> dict[str, Any]:
+    """Every option that `task` (a task or its type) declares in `predict_options`, by name: the
+    given value, else the default. The one check of predict options, for Python, HTTP requests
+    and the command line alike.
+
+    `given` maps option names to values, checked against the declared types (an integer where a
+    float is declared becomes that float; None only where the default is None); with
+    `command_line`, it maps flags (`--max-new-tokens`) to their text, read with the type (a
+    switch: true or false, yes or no, 1 or 0)."""
+    by_key = {option.flag if command_line else option.name: option for option in task.predict_options}
+    unknown = [key for key in given if key not in by_key]
     if unknown:
-        valid = ", ".join(by_flag) or "none"
-        raise UserError(f"apps predict {task} does not take {', '.join(unknown)}; its options: {valid}.")
-    values = {option.name: option.default for option in declared}
-    for flag, text in given.items():
-        option = by_flag[flag]
-        if option.type is bool:
-            if text.lower() not in SWITCH_VALUES:
-                raise UserError(f"{flag} {text!r}: a switch takes no value (or true / false).")
-            values[option.name] = SWITCH_VALUES[text.lower()]
-            continue
-        try:
-            values[option.name] = option.type(text)
-        except ValueError:
-            raise UserError(f"{flag} {text!r}: expected {option.type.__name__}.") from None
+        listed, name = ", ".join(by_key) or "none", unknown[0].removeprefix("--").replace("-", "_")
+        detail = f"{task.name} takes no such option; its options: {listed}."
+        if command_line:
+            raise PredictOptionError(
+                f"apps predict {task.name} does not take {', '.join(unknown)}; its options: {listed}.", name, detail
+            )
+        raise PredictOptionError(
+            f"{task.name} predictions take no {', '.join(unknown)}; the options are {listed}.", name, detail
+        )
+    values = {option.name: option.default for option in task.predict_options}
+    for key, value in given.items():
+        option = by_key[key]
+        values[option.name] = _option_text(key, option, value) if command_line else _option_value(option, value)
     return values
+
+
+def _option_text(flag: str, option: PredictOption, text: str) -> Any:
+    """A command line's text for `option`, read with its type."""
+    if option.type is bool:
+        if text.lower() not in SWITCH_VALUES:
+            detail = f"a switch takes no value (or true / false), not {text!r}."
+            raise PredictOptionError(
+                f"{flag} {text!r}: a switch takes no value (or true / false).", option.name, detail
+            )
+        return SWITCH_VALUES[text.lower()]
+    try:
+        return option.type(text)
+    except ValueError:
+        detail = f"expected {option.type.__name__}, got {text!r}."
+        raise PredictOptionError(f"{flag} {text!r}: expected {option.type.__name__}.", option.name, detail) from None
+
+
+def _option_value(option: PredictOption, value: Any) -> Any:
+    """A value given by name for `option`, checked against its type (a bool is no number here)."""
+    if value is None and option.default is None:
+        return None
+    kinds = {bool: bool, int: numbers.Integral, float: numbers.Real}
+    allowed = isinstance(value, kinds.get(option.type, option.type)) and (
+        isinstance(value, bool) == (option.type is bool)
+    )
+    if not allowed:
+        detail = f"expected {option.type.__name__}, got {value!r}."
+        raise PredictOptionError(f"{option.name}: {detail}", option.name, detail)
+    return option.type(value)
 
 
 SWITCH_VALUES = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
@@ -92,6 +139,25 @@ def scored_positions(batch: Batch) -> jax.Array:
     """Which target positions a per-position loss or metric counts: `target_mask` [B, T] at the
     rows that are real (weight > 0), not at those that pad a last partial batch."""
     return batch["target_mask"] & (batch["weights"][:, None] > 0)
+
+
+class Trainable(Protocol):
+    """What the core's compiled steps read of a task (`core.training.steps.build_model` and
+    `make_steps`): its config, model, loss, streamed metrics, decoding and on-device
+    augmentation. Every `Task` is one; a benchmark's model over random tokens
+    (`core.bench.causal.CausalLM`) is one without data, featurizer or scores."""
+
+    config: Config
+
+    def model(self, featurizer: Any, config: Config, rngs: nnx.Rngs) -> nnx.Module: ...
+
+    def loss(self, outputs: Any, batch: Batch) -> tuple[jax.Array, jax.Array]: ...
+
+    def metrics(self, outputs: Any, batch: Batch) -> Streamed: ...
+
+    def decode(self, outputs: Any, batch: Batch) -> dict[str, jax.Array]: ...
+
+    def augment_on_device(self, batch: Batch) -> Batch: ...
 
 
 class Featurizer(Protocol):
@@ -311,8 +377,10 @@ class Task(abc.ABC):
     @abc.abstractmethod
     def render(
         self, predictions: dict[str, np.ndarray], examples: Sequence[Example], featurizer: Featurizer
-    ) -> list[dict[str, str]]:
-        """One printable row (column -> text) per prediction."""
+    ) -> list[dict[str, Any]]:
+        """One row per prediction, column -> a typed value: text, a probability or score as a
+        float, a rank or position as an int, a list of them. `apps predict --format json` writes
+        these values as they are; only its table rounds them for people."""
 
 
 def final(cls: type[Task]) -> type[Task]:

@@ -28,7 +28,14 @@ LAYERS = (
     ("core.checkpoints",),  # pretrained weights in and out: formats and families
     ("core.training",),  # steps, fit and hooks, losses, batching, sharding, run checkpoints
     ("core.generation",),  # sampling, beams, penalties, CTC, the slot engine
-    ("core.run", "core.report", "core.seeds"),  # the plain functions the CLI and Python call
+    (
+        "core.run",
+        "core.loading",
+        "core.predict",
+        "core.report",
+        "core.seeds",
+        "core.terminal",
+    ),  # the plain functions the CLI and Python call
     ("core.bench",),  # speed of the core
     ("core.serving",),  # HTTP over the engine, and its load benchmark
 )

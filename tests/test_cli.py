@@ -1,6 +1,7 @@
 """The `apps` CLI through Typer's runner: help, overrides, every bad input, and a real round trip."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -8,6 +9,7 @@ from conftest import apps, plain, table_rows
 
 import tasks
 from core import run
+from core.errors import UserError
 from tasks.nlp.sentiment import SentimentTask
 
 FIXTURE = "tests/fixtures/reviews.csv"
@@ -23,10 +25,34 @@ def test_help_lists_commands():
         assert command in result.output
 
 
-def test_bench_names_its_benchmarks():
-    result = apps("bench", "nonsense")
-    assert result.exit_code == 1
-    assert "choose from small, big, decode, decode-small, decode-gpt2" in plain(result.output)
+COMMANDS = [["tasks"], ["train"], ["seeds"], ["eval"], ["predict"], ["embed"], ["serve"], ["report"], ["bench"]]
+BENCHES = ["train", "decode", "finetune", "transcribe", "serve", "translate", "summarize"]
+
+
+@pytest.mark.parametrize("command", [[], *COMMANDS, *(["bench", name] for name in BENCHES)], ids=" ".join)
+def test_help_reads_at_80_columns(command):
+    """Every command's help fits 80 columns whole: no line wider, no text cut short with an ellipsis."""
+    result = apps(*command, "--help", env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    assert max(map(len, result.output.splitlines())) <= 80 and "…" not in result.output, result.output
+
+
+def test_bench_is_a_group_whose_subcommands_name_their_choices():
+    result = apps("bench", "--help", env={"COLUMNS": "80"})
+    assert all(name in result.output for name in BENCHES)
+    for args, message in [
+        (["train", "huge"], "Unknown train config huge; choose from small, big."),
+        (["train", "--steps", "0"], "--steps 0: time at least 1 step."),
+        (["decode", "tiny"], "Unknown decode model tiny; choose from small, gpt2."),
+        (["decode", "small", "--model", "x.gguf"], "give shapes of random weights or --model, not both"),
+        (["serve", "--clients", "1,x"], "--clients '1,x': expected counts separated by commas"),
+        (["serve", "--dtype", "float16"], "--dtype float16: expected float32 or bfloat16"),
+        (["serve", "--seconds", "0"], "seconds must be positive, slots at least 2"),
+    ]:
+        result = apps("bench", *args)
+        assert result.exit_code == 1 and message in plain(result.output), (args, result.output)
+    # One benchmark a subcommand: the serve benchmark's options are not the train step's.
+    assert apps("bench", "train", "--clients", "4").exit_code == 2
 
 
 def test_tasks_lists_every_registered_task_for_programs_and_at_80_columns(tmp_path):
@@ -88,12 +114,59 @@ def test_eval_writes_metrics_protocol_and_baseline(trained):
 
 def test_predict_from_arguments_and_stdin(trained):
     texts = ["lovely soft perfect dress", "cheap scratchy top", "lovely fit"]
-    expected = [[row["text"], row["label"], row["probability"]] for row in run.predict(SentimentTask, trained, texts)]
+    rows = run.predict(SentimentTask, trained, texts)
+    # The table rounds the probability for people (4 decimals); the rows hold the float.
+    expected = [[row["text"], row["label"], f"{row['probability']:.4f}"] for row in rows]
     assert [row[1] for row in expected] == ["positive", "negative", "positive"]  # the fixture's cues, learned
     result = apps("predict", "sentiment", "--workdir", trained, texts[0])
     assert result.exit_code == 0 and table_rows(result.output) == expected[:1], result.output
     result = apps("predict", "sentiment", "--workdir", trained, input="\n".join(texts[1:]) + "\n")
     assert result.exit_code == 0 and table_rows(result.output) == expected[1:], result.output
+
+
+def test_predictions_are_typed_values_written_in_full(trained, tmp_path):
+    """Python and --format json, jsonl and csv give the same values: the probability a float at
+    full precision (the softmax's largest, its row summing to 1); only the table rounds it."""
+    import csv
+
+    texts = ["lovely soft perfect dress", "cheap scratchy top"]
+    predictor = run.Predictor(SentimentTask, trained)
+    rows = predictor.predict(texts)
+    _, outputs = predictor.outputs(texts)
+    assert [type(row["probability"]) for row in rows] == [float, float]
+    assert [row["probability"] for row in rows] == [float(p.max()) for p in outputs["probabilities"]]
+    assert all(abs(float(p.sum()) - 1) < 1e-6 and p.max() >= 0.5 for p in outputs["probabilities"])
+    assert tasks.pipeline("sentiment", workdir=trained).predict(texts) == rows
+    result = apps("predict", "sentiment", "--workdir", trained, "--format", "json", *texts)
+    assert result.exit_code == 0 and json.loads(result.stdout) == rows, result.output
+    result = apps("predict", "sentiment", "--workdir", trained, "--format", "jsonl", *texts)
+    assert [json.loads(line) for line in result.stdout.splitlines()] == rows
+    result = apps("predict", "sentiment", "--workdir", trained, "--format", "csv", *texts)
+    read = list(csv.DictReader(result.stdout.splitlines()))
+    assert [float(row["probability"]) for row in read] == [row["probability"] for row in rows]
+
+
+def test_predict_options_are_checked_in_one_place(trained):
+    """Python, HTTP and the command line share `core.task.predict_option_values`: an unknown
+    option or a value of another type is named, before the run loads."""
+    from core.task import PredictOptionError, predict_option_values
+
+    lm = tasks.get("lm")
+    assert predict_option_values(lm, {"--max-new-tokens": "5", "--chat": "yes"}, command_line=True)["chat"] is True
+    assert predict_option_values(lm, {"temperature": 1})["temperature"] == 1.0
+    for given, command_line, message, name in [
+        ({"temp": 1.0}, False, "lm predictions take no temp; the options are max_new_tokens", "temp"),
+        ({"top_k": 2.5}, False, "top_k: expected int, got 2.5.", "top_k"),
+        ({"chat": 1}, False, "chat: expected bool, got 1.", "chat"),
+        ({"--top-k": "many"}, True, "--top-k 'many': expected int.", "top_k"),
+        ({"--chat": "maybe"}, True, "--chat 'maybe': a switch takes no value", "chat"),
+        ({"--size": "3"}, True, "apps predict lm does not take --size; its options: --max-new-tokens", "size"),
+    ]:
+        with pytest.raises(PredictOptionError, match=re.escape(message)) as raised:
+            predict_option_values(lm, given, command_line=command_line)
+        assert raised.value.name == name and raised.value.detail
+    with pytest.raises(UserError, match="sentiment predictions take no beams; the options are none"):
+        run.Predictor(SentimentTask, trained).predict(["fine"], beams=2)
 
 
 @pytest.mark.parametrize(

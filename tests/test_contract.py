@@ -2,6 +2,7 @@
 
 import dataclasses
 import functools
+import json
 
 import jax
 import numpy as np
@@ -122,7 +123,10 @@ def test_forward_loss_metrics_decode_score(setup):
     assert set(task.metric_names) <= set(scores)
     if not task.generates:
         rows = task.render(decoded, examples, featurizer)
-        assert rows and all(isinstance(v, str) for row in rows for v in row.values())
+        # Typed values, as `apps predict --format json` writes them: text, numbers, lists of them,
+        # Python's own types (json refuses numpy's), never a number rendered as text.
+        assert rows and json.loads(json.dumps(rows)) == rows
+        assert all(type(value) in (str, int, float, list) for row in rows for value in row.values())
 
 
 def test_every_preset_constructs(setup):

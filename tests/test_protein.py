@@ -223,7 +223,9 @@ def test_init_from_a_run_of_another_size_names_the_parameters(mlm_run):
 def test_mlm_fills_masked_residues_and_embeds(mlm_run):
     predictor = run.Predictor(tasks.get("protein-mlm"), mlm_run)
     [row] = predictor.predict(["MKT?AYIAK"])
-    assert row["sequence"][3] in sequences.AMINO_ACIDS and row["filled"].startswith("4:")
+    assert row["sequence"][3] in sequences.AMINO_ACIDS and row["filled"] == [4]  # positions count from 1
+    [probability] = row["probabilities"]
+    assert type(probability) is float and 1 / len(sequences.AMINO_ACIDS) <= probability <= 1
     examples = [{"id": "a", "sequence": "MKTAYIAK" * 20, "label": None}, {"id": "b", "sequence": "MK", "label": None}]
     pooled = predictor.task.embed(predictor.model, predictor.featurizer, examples)
     residues = predictor.task.embed(predictor.model, predictor.featurizer, examples, per_position=True)

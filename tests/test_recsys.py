@@ -126,10 +126,16 @@ def test_cli_round_trip(tmp_path):
     assert {"hr@10", "ndcg@10", "mrr@10"} <= set(report) and "most_popular" in report["baselines"]
     result = apps("predict", "recsys", "--workdir", workdir, "--history", "i3,i4,nosuch")
     assert result.exit_code == 0 and "i5" in result.output, result.output
-    result = apps("predict", "recsys", "--workdir", workdir, "--user", "u7")
+    result = apps("predict", "recsys", "--workdir", workdir, "--user", "u7", "--format", "json")
     assert result.exit_code == 0, result.output
+    # Typed values: ranks as ints from 1, scores as floats, best first.
+    rows = json.loads(result.stdout)
+    assert [row["rank"] for row in rows] == list(range(1, len(rows) + 1)) and len(rows) > 1
+    assert all(type(row["score"]) is float for row in rows)
+    assert [row["score"] for row in rows] == sorted((row["score"] for row in rows), reverse=True)
     recommendations = Recommender(workdir).recommend(["i3", "i4"], k=3)
     assert len(recommendations) == 3 and all(r["item"] not in ("i3", "i4") for r in recommendations)
+    assert all(type(r["score"]) is float for r in recommendations)
     for args, message in [
         (["--history", ","], "A history is empty"),
         (["--size", "3"], "does not take --size; its options: --user, --history"),

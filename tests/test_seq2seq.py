@@ -17,14 +17,14 @@ from flax import nnx
 import tasks
 from core import run
 from core.generation.beam import beam_search, gnmt_penalty
-from core.task import read_predict_options
+from core.task import predict_option_values
 from core.training.steps import build_model
 from tasks.nlp import encoder_decoder, freedict
 from tasks.nlp.decoding import minimum_bayes_risk
 from tasks.nlp.seq2seq import Seq2SeqTask
 
 # `apps predict`'s defaults: greedy (beams 1 below), no sampling, no MBR.
-DECODING = read_predict_options(Seq2SeqTask.predict_options, {}, "translate")
+DECODING = predict_option_values(Seq2SeqTask, {})
 
 
 @pytest.mark.parametrize("alpha,expected", [(0.0, [0]), (1.0, [1, 2, 0])])
@@ -126,7 +126,7 @@ def test_mbr_chooses_among_greedy_beam_and_samples(translate_run):
     task, featurizer = loaded.task, loaded.featurizer
     model = nnx.merge(loaded.steps.graphdef, loaded.params)
     # translate's own defaults: its penalties shape greedy and beam, not the samples.
-    options = read_predict_options(task.predict_options, {}, "translate")
+    options = predict_option_values(task, {})
     assert options["no_repeat_ngram"] is None and task.config.data.no_repeat_ngram and task.config.data.word_reward
     examples = task.parse_inputs(texts, options)
     unshaped = {"beams": 1, "temperature": 0.7, "no_repeat_ngram": 0, "word_reward": 0.0}

@@ -37,8 +37,9 @@ from pathlib import Path
 import numpy as np
 from rich.console import Console
 
-from core.bench.speed import figures
+from core.bench.timing import figures
 from core.errors import UserError
+from core.predict import check_dtype
 
 MAX_TOKENS = (16, 48, 96, 128)
 _STORY = (
@@ -54,7 +55,7 @@ PROMPTS = (
     "What is the capital of France, and what river runs through it?",
 )
 SECONDS = 60.0
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository, where `python -m cli` runs
 
 
 def job(number: int) -> tuple[str, int]:
@@ -74,35 +75,81 @@ def run_load(
     for `seconds`, client i sending requests i, i + clients, i + 2 clients, ... -> the figures
     of the module's text, with the counts behind them ("tokens", "requests", "cut": answers cut
     off at the end). `fixed_lengths`: each request sets min_tokens to its max_tokens."""
-    import httpx2 as httpx
+    load = _Load(url, model, clients, time.perf_counter() + seconds, api_key, fixed_lengths)
+    threads = [threading.Thread(target=load.client, args=(i,)) for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if load.failures:
+        raise UserError(f"{len(load.failures)} requests to {url} failed; the first: {load.failures[0]}")
+    latency = np.array([r["latency"] for r in load.finished] or [np.nan])
+    first = np.array([r["first"] for r in load.finished if r["first"] is not None] or [np.nan])
+    return {
+        "clients": clients,
+        "seconds": seconds,
+        "requests": len(load.finished),
+        "cut": load.cut,
+        "tokens": load.tokens,
+        "requests/s": len(load.finished) / seconds,
+        "tokens/s": load.tokens / seconds,
+        "p50 latency": float(np.percentile(latency, 50)),
+        "p99 latency": float(np.percentile(latency, 99)),
+        "p50 first token": float(np.percentile(first, 50)),
+        "p99 first token": float(np.percentile(first, 99)),
+    }
 
-    finished: list[dict] = []
-    lock, failures = threading.Lock(), []
-    tokens = cut = 0
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    deadline = time.perf_counter() + seconds
 
-    def request(session, number: int) -> None:
-        nonlocal tokens, cut
+class _Load:
+    """The clients of one `run_load` and what they counted, under one lock: the finished
+    requests (latency, time to the first token), the tokens streamed within the window, the
+    answers cut off at its end, and the failures."""
+
+    def __init__(self, url: str, model: str, clients: int, deadline: float, api_key, fixed_lengths: bool):
+        self.url, self.model, self.clients, self.deadline = url, model, clients, deadline
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.fixed_lengths = fixed_lengths
+        self.lock = threading.Lock()
+        self.finished: list[dict] = []
+        self.failures: list[str] = []
+        self.tokens = self.cut = 0
+
+    def client(self, index: int) -> None:
+        """Requests index, index + clients, ... one after another until the deadline."""
+        import httpx2 as httpx
+
+        with httpx.Client(timeout=600, headers=self.headers) as session:
+            number = index
+            while time.perf_counter() < self.deadline:
+                try:
+                    self.request(session, number)
+                except Exception as error:  # a failed request is reported, not hidden in the figures
+                    with self.lock:
+                        self.failures.append(str(error))
+                    return
+                number += self.clients
+
+    def request(self, session, number: int) -> None:
+        """Request `number`, streamed: counted when it finishes, or cut off at the deadline."""
         prompt, max_tokens = job(number)
         body = {
-            "model": model,
+            "model": self.model,
             "prompt": prompt,
             "max_tokens": max_tokens,
             "temperature": 0,
             "stream": True,
             "stream_options": {"include_usage": True},
-        } | ({"min_tokens": max_tokens} if fixed_lengths else {})
+        } | ({"min_tokens": max_tokens} if self.fixed_lengths else {})
         sent, first, usage, pieces = time.perf_counter(), None, None, 0
-        with session.stream("POST", f"{url}/completions", json=body) as response:
+        with session.stream("POST", f"{self.url}/completions", json=body) as response:
             if response.status_code != 200:
                 raise RuntimeError(f"HTTP {response.status_code}: {response.read()[:200]!r}")
             for line in response.iter_lines():
                 now = time.perf_counter()
-                if now > deadline:  # cut off: closing the stream frees the server's slot
-                    with lock:
-                        tokens += pieces
-                        cut += 1
+                if now > self.deadline:  # cut off: closing the stream frees the server's slot
+                    with self.lock:
+                        self.tokens += pieces
+                        self.cut += 1
                     return
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
@@ -112,44 +159,9 @@ def run_load(
                 if any(c.get("text") for c in chunk.get("choices", [])):
                     pieces += 1
                     first = now - sent if first is None else first
-        with lock:
-            tokens += pieces if usage is None else usage
-            finished.append({"latency": time.perf_counter() - sent, "first": first})
-
-    def client(index: int) -> None:
-        with httpx.Client(timeout=600, headers=headers) as session:
-            number = index
-            while time.perf_counter() < deadline:
-                try:
-                    request(session, number)
-                except Exception as error:  # a failed request is reported, not hidden in the figures
-                    with lock:
-                        failures.append(str(error))
-                    return
-                number += clients
-
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if failures:
-        raise UserError(f"{len(failures)} requests to {url} failed; the first: {failures[0]}")
-    latency = np.array([r["latency"] for r in finished] or [np.nan])
-    first = np.array([r["first"] for r in finished if r["first"] is not None] or [np.nan])
-    return {
-        "clients": clients,
-        "seconds": seconds,
-        "requests": len(finished),
-        "cut": cut,
-        "tokens": tokens,
-        "requests/s": len(finished) / seconds,
-        "tokens/s": tokens / seconds,
-        "p50 latency": float(np.percentile(latency, 50)),
-        "p99 latency": float(np.percentile(latency, 99)),
-        "p50 first token": float(np.percentile(first, 50)),
-        "p99 first token": float(np.percentile(first, 99)),
-    }
+        with self.lock:
+            self.tokens += pieces if usage is None else usage
+            self.finished.append({"latency": time.perf_counter() - sent, "first": first})
 
 
 def _free_port() -> int:
@@ -211,12 +223,18 @@ def main(
     fixed_lengths: bool = False,
     dtype: str = "float32",
 ) -> list[dict]:
-    """The table of the module's text: `apps serve` of a pretrained `model` (a name or a file) or
-    of a trained language model's `workdir`, with `slots` slots and with one (each slot
-    `context` positions long, None: the server's default; its weights in `dtype`), then each
-    other one; `seconds` of load per client count."""
+    """The table of the module's text: `apps serve` of a pretrained `model` (a name or a file;
+    SmolLM2's instruct model by default) or of a trained language model's `workdir`, with
+    `slots` slots and with one (each slot `context` positions long, None: the server's default;
+    its weights in `dtype`), then each other one; `seconds` of load per client count."""
+    if workdir is not None and model is not None:
+        raise UserError("apps bench serve: give --model or --workdir, not both.")
+    model = (model or "smollm2-135m-instruct") if workdir is None else None
+    check_dtype(dtype)
     if any(c < 1 for c in clients):
         raise UserError("--clients: each count must be at least 1.")
+    if seconds <= 0 or slots < 2:
+        raise UserError(f"--seconds {seconds:g}, --slots {slots}: seconds must be positive, slots at least 2.")
     from core.serving.models import served_name
 
     name = served_name(model=model, workdir=workdir)  # what each request names

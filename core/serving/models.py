@@ -17,7 +17,6 @@ import numpy as np
 
 from core.errors import UserError
 from core.generation.slots import Engine
-from core.serving.api import ApiError
 from core.serving.batcher import Batcher
 
 
@@ -48,27 +47,6 @@ class Served:
             self.task.render({k: v[a:b] for k, v in predictions.items()}, group, self.predictor.featurizer)
             for group, a, b in zip(groups, bounds, bounds[1:])
         ]
-
-
-def typed_options(task, given: dict[str, Any]) -> dict[str, Any]:
-    """A predict request's options by name, checked against the task's declared types."""
-    declared = {option.name: option for option in task.predict_options}
-    values = {name: option.default for name, option in declared.items()}
-    for name, value in given.items():
-        option = declared.get(name)
-        if option is None:
-            names = ", ".join(declared) or "none"
-            raise ApiError(
-                400, f"options.{name}: {task.name} takes no such option; its options: {names}.", f"options.{name}"
-            )
-        expected = (int, float) if option.type is float else option.type
-        if isinstance(value, bool) != (option.type is bool) or not isinstance(value, expected):
-            if not (value is None and option.default is None):
-                raise ApiError(
-                    400, f"options.{name}: expected {option.type.__name__}, got {value!r}.", f"options.{name}"
-                )
-        values[name] = value
-    return values
 
 
 def load(

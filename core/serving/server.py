@@ -45,8 +45,8 @@ from core.serving.api import ApiError, ChatBody, CompletionBody, PredictBody, wi
 from core.serving.batcher import Batcher
 from core.serving.completions import Completions
 from core.serving.metrics import Metrics
-from core.serving.models import Served, typed_options
-from core.task import CompletingFeaturizer
+from core.serving.models import Served
+from core.task import CompletingFeaturizer, PredictOptionError, predict_option_values
 
 log = logging.getLogger("apps")
 
@@ -192,7 +192,11 @@ class Server:
         @app.post("/v1/{task}/predict")
         async def predict(task: str, body: PredictBody):
             served = self.model(body.model, task)
-            values = typed_options(served.task, body.options)
+            try:
+                values = predict_option_values(served.task, body.options)
+            except PredictOptionError as error:
+                where = f"options.{error.name}"
+                raise ApiError(400, f"{where}: {error.detail}", where) from None
             try:  # off the event loop: audio is decoded and resampled here
                 examples = await asyncio.to_thread(served.task.parse_request, body.inputs, values)
             except UserError as error:

@@ -29,7 +29,7 @@ from core.checkpoints import pretrained
 from core.config import Config, TrainConfig
 from core.model import lora
 from core.model.precision import products_in
-from core.task import Task
+from core.task import Trainable
 from core.training import data as data_lib
 from core.training import sharding, transfer
 from core.training.optim import optimizer
@@ -38,7 +38,7 @@ State = dict[str, Any]
 log = logging.getLogger("apps")
 
 
-def build_model(task: Task, featurizer, config: Config, *, from_pretrained: bool = False) -> nnx.Module:
+def build_model(task: Trainable, featurizer, config: Config, *, from_pretrained: bool = False) -> nnx.Module:
     """The task's model (its `model` hook). `from_pretrained` (a new run's start): the parameters
     that the checkpoint `config.model.pretrained` or the run `config.model.init_from` holds take
     its weights; a run being loaded restores its own."""
@@ -96,7 +96,7 @@ class _Bound:
 
 
 def make_steps(
-    task: Task,
+    task: Trainable,
     model: nnx.Module,
     config: Config,
     total_steps: int,
@@ -153,7 +153,7 @@ def _in_products(step: Callable, dtype: str) -> Callable:
     return in_products
 
 
-def _eval_step(task: Task, forward: Callable) -> Callable:
+def _eval_step(task: Trainable, forward: Callable) -> Callable:
     """eval_step(params, frozen, batch) -> (the streamed metrics and loss, the decoded predictions)."""
 
     def eval_step(params, frozen, batch):
@@ -165,7 +165,7 @@ def _eval_step(task: Task, forward: Callable) -> Callable:
     return eval_step
 
 
-def _gradients(task: Task, forward: Callable, grad_accum: int) -> Callable:
+def _gradients(task: Trainable, forward: Callable, grad_accum: int) -> Callable:
     """gradients(params, frozen, batch, key) -> (the gradients of the loss sum with respect to
     `params`, the sum, its weight), summed over `grad_accum` microbatches of the batch."""
 
@@ -194,7 +194,7 @@ def _gradients(task: Task, forward: Callable, grad_accum: int) -> Callable:
     return gradients
 
 
-def _train_step(task: Task, forward: Callable, tx: optax.GradientTransformation, train: TrainConfig) -> Callable:
+def _train_step(task: Trainable, forward: Callable, tx: optax.GradientTransformation, train: TrainConfig) -> Callable:
     """train_step(state, frozen, batch) -> (the state after one optimizer update, {"loss", "grad_norm"},
     and "stop" when the batch has a "stop" column: whether any process asked the run to stop)."""
     gradients = _gradients(task, forward, train.grad_accum)

@@ -61,6 +61,6 @@ class SequenceClassification(Task):
         return predictions["probabilities"]
 
     def predicted(self, predictions: dict[str, np.ndarray], examples: Sequence[dict], featurizer) -> list[dict]:
-        """Each example's predicted class and its probability, as `render` shows them."""
+        """Each example's predicted class and its probability (a float), as `render` gives them."""
         probabilities = self.example_probabilities(predictions, len(examples))
-        return [{"label": featurizer.classes[int(p.argmax())], "probability": f"{p.max():.3f}"} for p in probabilities]
+        return [{"label": featurizer.classes[int(p.argmax())], "probability": float(p.max())} for p in probabilities]

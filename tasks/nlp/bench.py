@@ -14,12 +14,11 @@ from __future__ import annotations
 import dataclasses
 import time
 
-import jax
 from rich.console import Console
 
-from core.bench.speed import figures
+from core.bench.timing import figures, timed_steps
 from core.errors import UserError
-from core.task import read_predict_options
+from core.task import predict_option_values
 from core.training import data as data_lib
 from core.training import sharding
 from core.training.steps import build_model, make_steps
@@ -73,20 +72,14 @@ def _measure(task_type: type, config, steps: int) -> dict[str, float]:
     compiled = make_steps(task, model, task.config, task.config.train.steps)
     stream = data_lib.train_batches(arrays, config.train.batch_size, 0, 0, None, task.trim)
     batches = [sharding.global_batch(compiled.mesh, next(stream)) for _ in range(steps)]
-    state, times = compiled.state, []
     # The steps run twice and the second pass is timed: the first compiles each batch shape
     # (the encoder-decoder's batches are cut to their longest pair, a few widths).
-    for timed in (False, True):
-        for batch in batches:
-            started = time.perf_counter()
-            state, logs = compiled.train_step(state, batch)
-            jax.block_until_ready(logs)
-            if timed:
-                times.append(time.perf_counter() - started)
+    timed = timed_steps(compiled.train_step, compiled.state, batches)
+    times = timed.times
     tokens = sum(int(batch[key].sum()) for batch in batches for key in task.token_masks)
     test = task.examples("test")[:DECODED]
-    options = {**read_predict_options(task.predict_options, {}, task.name), "beams": 1, "temperature": 0.0}
-    trained = compiled.model(state["params"])
+    options = {**predict_option_values(task, {}), "beams": 1, "temperature": 0.0}
+    trained = compiled.model(timed.state["params"])
     task.generate(trained, featurizer, test, options)
     started = time.perf_counter()
     task.generate(trained, featurizer, test, options)

@@ -36,7 +36,7 @@ from core.errors import UserError
 from core.generation import penalties
 from core.model.heads import TiedOutput, TokenEmbedder
 from core.model.transformer import Model, Transformer
-from core.task import read_predict_options
+from core.task import predict_option_values
 from core.training.data import decoding_batches
 from tasks.common.tokenizer import PretrainedTokenizer, Tokenizer, load_tokenizer
 from tasks.nlp import instructions
@@ -252,7 +252,7 @@ class DecoderOnlyRoute:
 
         task = self.task
         model = build_model(task, featurizer, task.config, from_pretrained=True)
-        options = {**read_predict_options(task.predict_options, {}, task.name), "beams": 1, "temperature": 0.0}
+        options = {**predict_option_values(task, {}), "beams": 1, "temperature": 0.0}
         generated = {"text": task.decode_texts(model, featurizer, test, options)}
         return {f"zero_shot ({name}, greedy)": task.score_generated(generated, test, featurizer)}
 

@@ -91,3 +91,11 @@ def write(path: str | Path, texts: Sequence[str], vectors: np.ndarray) -> Path:
     path = output_path(path)
     np.savez(path, texts=np.array(list(texts)), embeddings=vectors.astype(np.float32))
     return path
+
+
+def write_by_id(path: str | Path, vectors: dict[str, np.ndarray]) -> Path:
+    """A trained run's embeddings (`core.run.embed`: input id -> array) into an .npz, one array
+    per id, in float32."""
+    path = output_path(path)
+    np.savez(path, **{key: value.astype(np.float32) for key, value in vectors.items()})
+    return path

@@ -24,7 +24,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -302,7 +302,7 @@ class LMTask(Task):
             examples.append({"text": messages[-1]["content"], "messages": messages})
         return examples
 
-    def render(self, predictions, examples, featurizer: LMFeaturizer) -> list[dict[str, str]]:
+    def render(self, predictions, examples, featurizer: LMFeaturizer) -> list[dict[str, Any]]:
         return [{"prompt": e["text"], "continuation": text} for e, text in zip(examples, predictions["text"])]
 
 

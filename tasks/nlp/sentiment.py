@@ -16,7 +16,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 from flax import nnx
@@ -223,7 +223,7 @@ class SentimentTask(SequenceClassification):
 
     def render(
         self, predictions: dict[str, np.ndarray], examples: Sequence[dict], featurizer: TextFeaturizer
-    ) -> list[dict[str, str]]:
+    ) -> list[dict[str, Any]]:
         return [
             {"text": e["text"], **row}  # whole: a table folds it, --format json keeps it
             for e, row in zip(examples, self.predicted(predictions, examples, featurizer))

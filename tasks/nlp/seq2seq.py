@@ -267,7 +267,7 @@ class Seq2SeqTask(Task):
             raise UserError(f"apps predict {self.name} needs at least one non-empty text (as arguments or on stdin).")
         return [{"source": source, "target": ""} for source in sources]
 
-    def render(self, predictions, examples, featurizer) -> list[dict[str, str]]:
+    def render(self, predictions, examples, featurizer) -> list[dict[str, Any]]:
         return [{"source": e["source"], self.output_name: text} for e, text in zip(examples, predictions["text"])]
 
 

@@ -178,6 +178,9 @@ class ProteinMLMTask(ProteinTask):
             letters = list(e["sequence"])
             for i in fill:
                 letters[i] = sequences.AMINO_ACIDS[int(p[i].argmax())]
-            filled = ", ".join(f"{i + 1}:{letters[i]} ({p[i].max():.2f})" for i in fill)
-            rows.append({"id": e["id"], "sequence": "".join(letters), "filled": filled or "(no ? to fill)"})
+            # Positions count from 1, as a sequence's residues are numbered.
+            positions, probabilities = [i + 1 for i in fill], [float(p[i].max()) for i in fill]
+            rows.append(
+                {"id": e["id"], "sequence": "".join(letters), "filled": positions, "probabilities": probabilities}
+            )
         return rows

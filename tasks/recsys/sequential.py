@@ -16,7 +16,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -241,21 +241,21 @@ class RecsysTask(Task):
             raise UserError("apps predict recsys takes --user USER, --history ITEM,ITEM,... or histories as inputs.")
         return examples
 
-    def render(self, predictions, examples, featurizer: ItemFeaturizer) -> list[dict[str, str]]:
+    def render(self, predictions, examples, featurizer: ItemFeaturizer) -> list[dict[str, Any]]:
         rows = []
         for example, items, scores in zip(examples, predictions["items"], predictions["scores"]):
             unknown = [i for i in featurizer.history(example) if i not in featurizer.index]
             if unknown:
                 log.warning("Skipped item ids unknown to the model: %s", ", ".join(unknown))
             for rank, (index, score) in enumerate(zip(items, scores), start=1):
-                item = featurizer.item(int(index))
+                item = str(featurizer.item(int(index)))  # Python's str: the log's ids may be numpy's
                 rows.append(
                     {
-                        "user": example["user"],
-                        "rank": str(rank),
+                        "user": str(example["user"]),
+                        "rank": rank,
                         "item": item,
                         "title": featurizer.titles.get(item, ""),
-                        "score": f"{float(score):.3f}",
+                        "score": float(score),
                     }
                 )
         return rows
@@ -278,7 +278,7 @@ class Recommender(Predictor):
         if not 1 <= k <= top_k:
             raise UserError(f"k={k}: this run returns at most data.top_k={top_k} items.")
         rows = self.predict([",".join(map(str, history))])
-        return [{"item": r["item"], "title": r["title"], "score": float(r["score"])} for r in rows[:k]]
+        return [{"item": r["item"], "title": r["title"], "score": r["score"]} for r in rows[:k]]
 
 
 def _mask_scores(scores: jax.Array, seen: jax.Array | None) -> jax.Array:

@@ -316,7 +316,7 @@ class SpeechTask(Task):
             examples.append({"id": None, "audio": samples, "path": where, "where": where, "text": "", "voice": None})
         return examples
 
-    def render(self, predictions, examples, featurizer) -> list[dict[str, str]]:
+    def render(self, predictions, examples, featurizer) -> list[dict[str, Any]]:
         return [{"file": e["path"], "transcript": text} for e, text in zip(examples, predictions["text"])]
 
 

@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 from rich.console import Console
 
-from core.bench.speed import figures
+from core.bench.timing import figures
 from core.model.precision import narrowed
 from tasks.speech import corpus
 from tasks.speech.audio import SAMPLE_RATE

@@ -1,0 +1,85 @@
+"""`apps bench decode --model NAME` and `apps bench finetune --model NAME`: a pretrained
+decoder's speed.
+
+Decoding: greedy, batch 1 and 8, with float32 and with bfloat16 weights (as
+`core.bench.decode` times it). Fine-tuning: its train step, every weight and LoRA, at 4 rows
+of 512 tokens, with float32 products and with bfloat16 ones (`train.matmul_dtype`).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from flax import nnx
+from rich.console import Console
+
+from core.bench.causal import pretrained_lm
+from core.bench.decode import NEW_TOKENS, PROMPT_TOKENS, time_generation
+from core.bench.timing import figures, timed_steps, token_batch
+from core.errors import UserError
+from core.model.precision import narrowed
+from core.training.steps import build_model, make_steps
+
+PRETRAINED_DECODE = ((1, "float32"), (8, "float32"), (1, "bfloat16"), (8, "bfloat16"))
+FINETUNE_BATCH, FINETUNE_LEN, LORA_RANK = 4, 512, 16
+FINETUNE_RUNS = ((0, "float32"), (0, "bfloat16"), (LORA_RANK, "float32"), (LORA_RANK, "bfloat16"))
+
+
+def decode(name: str, console: Console) -> list[dict]:
+    """Decoding speed of the checkpoint `name` at each of `PRETRAINED_DECODE`, in one table."""
+    task = pretrained_lm(name, PROMPT_TOKENS + NEW_TOKENS, FINETUNE_BATCH)
+    model = build_model(task, None, task.config, from_pretrained=True)
+    table = figures(
+        title=f"{name}: greedy decoding, {PROMPT_TOKENS}-token prompts, {NEW_TOKENS} new tokens",
+        caption="new tok/s over the whole call, prefill included, best of 3 calls (median beside it); "
+        "bfloat16: the linear layers' weights in bfloat16, multiplied in bfloat16 with float32 sums; "
+        "the activations, embeddings and cache in float32.",
+        columns=("weights", "batch", "new tok/s", "median", "call s", "compile s"),
+    )
+    results = []
+    graphdef, params = nnx.split(model)
+    for batch_size, dtype in PRETRAINED_DECODE:
+        result = time_generation(nnx.merge(graphdef, narrowed(params, dtype)), task.vocab_size, batch_size)
+        results.append({"model": name, "batch_size": batch_size, "dtype": dtype, **result})
+        table.add_row(
+            dtype,
+            str(batch_size),
+            f"{result['new_tokens_per_s']:,.1f}",
+            f"{result['median_new_tokens_per_s']:,.1f}",
+            f"{result['call_s']:.2f}",
+            f"{result['compile_s']:.1f}",
+        )
+    console.print(table)
+    return results
+
+
+def finetune(name: str, steps: int, console: Console) -> list[dict]:
+    """Fine-tuning speed of the checkpoint `name` at each of `FINETUNE_RUNS`, timed over
+    `steps` steps after one that compiles, in one table."""
+    if steps < 1:
+        raise UserError(f"--steps {steps}: time at least 1 step.")
+    table = figures(
+        title=f"{name}: a fine-tuning step (AdamW, float32 weights), {FINETUNE_BATCH} rows of {FINETUNE_LEN} tokens",
+        caption="tok/s: training tokens a second, best of the timed steps (median beside it); products: "
+        "train.matmul_dtype, bfloat16 multiplying the float32 weights and activations with float32 sums.",
+        columns=("weights trained", "products", "tok/s", "median", "ms/step", "compile s"),
+    )
+    results = []
+    # The rows divide over the devices (tests simulate 8).
+    rows = -(-FINETUNE_BATCH // jax.device_count()) * jax.device_count()
+    for rank, products in FINETUNE_RUNS:
+        task = pretrained_lm(name, FINETUNE_LEN, FINETUNE_BATCH, rank, products)
+        model = build_model(task, None, task.config, from_pretrained=True)
+        compiled = make_steps(task, model, task.config, task.config.train.steps)
+        batch = token_batch(compiled.mesh, rows, FINETUNE_LEN, task.vocab_size)
+        timed = timed_steps(compiled.train_step, compiled.state, [batch], steps)
+        tokens_per_s = rows * FINETUNE_LEN / min(timed.times)
+        median = rows * FINETUNE_LEN / float(np.median(timed.times))
+        results.append(
+            {"model": name, "lora_rank": rank, "products": products, "tokens_per_s": tokens_per_s, "median": median}
+        )
+        label = "all" if rank == 0 else f"LoRA r{rank}"
+        row = (f"{tokens_per_s:,.0f}", f"{median:,.0f}", f"{min(timed.times) * 1e3:,.0f}", f"{timed.warm_up_s:.1f}")
+        table.add_row(label, products, *row)
+    console.print(table)
+    return results

@@ -1,0 +1,124 @@
+"""`apps bench`, the core's part: one subcommand a benchmark, each with its own options, each
+calling one function (cli.py adds the tasks' own: translate, summarize, transcribe).
+
+apps bench train                       # the core's train step (small and big decoders)
+apps bench decode [--model NAME]       # greedy decoding, random weights or a pretrained decoder
+apps bench finetune --model NAME       # a pretrained decoder's fine-tuning step
+apps bench serve [--model NAME]        # apps serve under concurrent clients
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from core import terminal
+from core.errors import UserError
+from core.terminal import user_errors
+
+app = typer.Typer(
+    help="Time the core and the tasks: train, decode, finetune, transcribe, serve, seq2seq.",
+    no_args_is_help=True,
+)
+
+JsonOpt = Annotated[Optional[Path], typer.Option("--json", metavar="FILE", help="Also write the figures here.")]
+ModelOpt = Annotated[
+    Optional[str], typer.Option(metavar="NAME", help="A pretrained decoder: a shipped name or a .gguf file.")
+]
+DtypeOpt = Annotated[
+    str, typer.Option(metavar="DTYPE", help="Weights of generation: float32, or bfloat16 (faster products).")
+]
+
+
+@app.command("train")
+@user_errors
+def bench_train(
+    configs: Annotated[
+        Optional[list[str]], typer.Argument(metavar="CONFIG", help="small, big (default: both).")
+    ] = None,
+    steps: Annotated[int, typer.Option(metavar="N", help="Timed steps per config, after warm-up.")] = 10,
+    json_path: JsonOpt = None,
+) -> None:
+    """The core's train step on GPT-style decoders: tokens/s, MFU."""
+    from core.bench import train_step
+
+    terminal.save_figures("train", train_step.train(configs or [], steps, terminal.console()), json_path)
+
+
+@app.command("decode")
+@user_errors
+def bench_decode(
+    models: Annotated[
+        Optional[list[str]],
+        typer.Argument(metavar="SHAPE", help="Random-weight decoders: small, gpt2 (default: both)."),
+    ] = None,
+    model: ModelOpt = None,
+    json_path: JsonOpt = None,
+) -> None:
+    """Greedy decoding speed, new tokens/s.
+
+    Random weights with and without the KV cache, or a --model in float32 and bfloat16."""
+    from core.bench import checkpoint, decode
+
+    if model is not None and models:
+        raise UserError("apps bench decode: give shapes of random weights or --model, not both.")
+    figures = (
+        decode.decode(models or [], terminal.console())
+        if model is None
+        else checkpoint.decode(model, terminal.console())
+    )
+    terminal.save_figures("decode", figures, json_path)
+
+
+@app.command("finetune")
+@user_errors
+def bench_finetune(
+    model: Annotated[str, typer.Option(metavar="NAME", help="A pretrained decoder: a name or a .gguf.")] = (
+        "smollm2-135m-instruct"
+    ),
+    steps: Annotated[int, typer.Option(metavar="N", help="Timed steps per run, after one that compiles.")] = 10,
+    json_path: JsonOpt = None,
+) -> None:
+    """A pretrained decoder's fine-tuning step: all weights and LoRA.
+
+    Each with float32 and with bfloat16 products."""
+    from core.bench import checkpoint
+
+    terminal.save_figures("finetune", checkpoint.finetune(model, steps, terminal.console()), json_path)
+
+
+@app.command("serve")
+@user_errors
+def bench_serve(
+    model: ModelOpt = None,
+    workdir: Annotated[
+        Optional[Path], typer.Option("--workdir", "-w", metavar="DIR", help="A trained lm run, not --model.")
+    ] = None,
+    clients: Annotated[str, typer.Option(metavar="N,N,...", help="Concurrent client counts.")] = "1,4,16,64",
+    seconds: Annotated[float, typer.Option(metavar="S", help="Seconds of load per client count.")] = 60.0,
+    slots: Annotated[int, typer.Option(metavar="N", help="Slots of the batched server (--max-batch).")] = 16,
+    against: Annotated[
+        Optional[list[str]], typer.Option(metavar="URL", help="Another OpenAI-compatible base URL (.../v1).")
+    ] = None,
+    context: Annotated[Optional[int], typer.Option(metavar="N", help="Positions per slot (serve --context).")] = None,
+    fixed_lengths: Annotated[
+        bool, typer.Option("--fixed-lengths", help="Each answer runs to its max_tokens (min_tokens set).")
+    ] = False,
+    dtype: DtypeOpt = "float32",
+    json_path: JsonOpt = None,
+) -> None:
+    """`apps serve` of a language model under concurrent clients.
+
+    SmolLM2 by default, with its slots and with one, beside --against servers."""
+    from core.serving import load
+
+    try:
+        counts = [int(count) for count in clients.split(",")]
+    except ValueError:
+        raise UserError(f"--clients {clients!r}: expected counts separated by commas, e.g. 1,4,16.") from None
+    figures = load.main(
+        model, workdir, counts, terminal.console(), list(against or []), seconds, slots, context, fixed_lengths, dtype
+    )
+    terminal.save_figures("serve", figures, json_path)

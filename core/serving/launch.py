@@ -1,0 +1,113 @@
+"""`apps serve`: its settings checked, the runs and checkpoints loaded and compiled, then the
+HTTP server run until it is stopped."""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+
+from core.errors import UserError
+from core.predict import check_dtype
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How `apps serve` listens and batches (its options, with the same names)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_batch: int = 8
+    max_wait_ms: float = 5.0
+    context: int | None = None
+    dtype: str = "float32"
+    queue: int = 256
+    timeout: float = 300.0
+    api_key: str | None = None
+    allow_unauthenticated: bool = False
+
+    def loopback(self) -> bool:
+        """Whether the server listens on this machine alone."""
+        try:
+            return self.host == "localhost" or ipaddress.ip_address(self.host).is_loopback
+        except ValueError:  # a host name other than localhost
+            return False
+
+    def check(self) -> None:
+        """Every setting a user can get wrong, named before anything loads."""
+        if self.api_key is None and not self.loopback() and not self.allow_unauthenticated:
+            raise UserError(
+                f"--host {self.host} listens beyond this machine: give --api-key (or APPS_API_KEY), or "
+                "--allow-unauthenticated to serve anyone who can reach it."
+            )
+        if self.max_batch < 1 or self.queue < 1 or self.timeout <= 0 or self.max_wait_ms < 0:
+            raise UserError("--max-batch and --queue must be at least 1, --timeout positive, --max-wait-ms at least 0.")
+        check_dtype(self.dtype)
+
+
+def serve(
+    workdirs: list[Path],
+    models: list[str],
+    task_of: Callable[[str], type],
+    lm: type,
+    settings: Settings,
+    console: Console,
+) -> None:
+    """Loads the trained runs `workdirs` (their task found by `task_of(name)`) and the pretrained
+    decoders `models` (as the language-model task `lm` runs them), compiles each generation
+    engine and says what it compiled, then serves them until the process is stopped."""
+    settings.check()
+    import uvicorn
+
+    from core.serving import server as server_lib
+    from core.serving.models import load
+
+    served = load(
+        workdirs,
+        models,
+        task_of,
+        lm,
+        slots=settings.max_batch,
+        context=settings.context,
+        queue=settings.queue,
+        dtype=settings.dtype,
+    )
+    for item in served:
+        console.print(_warm_up(item, settings))
+    server = server_lib.Server(
+        served,
+        api_key=settings.api_key,
+        max_batch=settings.max_batch,
+        max_wait_ms=settings.max_wait_ms,
+        queue_size=settings.queue,
+        timeout_s=settings.timeout,
+    )
+    access = (
+        "a key is required"
+        if settings.api_key
+        else "no key: loopback only"
+        if settings.loopback()
+        else "no key, open to all"
+    )
+    url = f"http://{settings.host}:{settings.port}"
+    console.print(f"Serving {', '.join(s.name for s in served)} at {url} ({access}).")
+    config = uvicorn.Config(server.app, host=settings.host, port=settings.port, log_level="warning")
+    uvicorn.Server(config).run()
+
+
+def _warm_up(item, settings: Settings) -> str:
+    """Compiles a served model's generation engine (if it has one) and says what it compiled."""
+    engine = item.engine
+    if engine is None:
+        return f"{item.name} ({item.task.name}): predictions batched up to {settings.max_batch} inputs."
+    timings = engine.warm_up()
+    widths = ", ".join(str(w) for w in engine.widths())
+    rows = ", ".join(str(n) for n in engine.row_counts())
+    return (
+        f"{item.name} ({item.task.name}): {settings.max_batch} slots of {engine.context} positions, "
+        f"{settings.dtype} weights; compiled the decode step over {rows} rows and prefills of width {widths} "
+        f"in {sum(timings.values()):.1f} s."
+    )
