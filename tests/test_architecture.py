@@ -38,6 +38,7 @@ LAYERS = (
     ),  # the plain functions the CLI and Python call
     ("core.bench",),  # speed of the core
     ("core.serving",),  # HTTP over the engine, and its load benchmark
+    ("core.bench.commands",),  # apps bench's subcommands, the serving one included
 )
 RANK = {unit: rank for rank, units in enumerate(LAYERS) for unit in units}
 
