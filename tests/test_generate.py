@@ -351,4 +351,4 @@ def test_decoding_penalties_are_checked():
     with pytest.raises(UserError, match="no_repeat_ngram=-1"):
         Sampling(max_new_tokens=4, no_repeat_ngram=-1)
     with pytest.raises(UserError, match="word_reward=nan"):
-        beam_settings(2, 4, (0,), 0.6, word_reward=float("nan"))
+        beam_settings(beam_size=2, max_new_tokens=4, stop_tokens=(0,), word_reward=float("nan"))

@@ -97,29 +97,23 @@ def generate(
     model: Model,
     prompts: Sequence[Sequence[int]],
     *,
-    max_new_tokens: int,
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    stop_tokens: Sequence[int] = (),
     seed: int | jax.Array = 0,
     on_tokens: OnTokens | None = None,
     use_cache: bool = True,
-    no_repeat_ngram: int = 0,
-    word_reward: float = 0.0,
     width: int | None = None,
+    **sampling,
 ) -> Generation:
     """Continues each prompt (a sequence of token ids; lengths may differ) by up to
-    `max_new_tokens`; see `Sampling` for the choice of tokens. A row stops after its first stop
-    token. `seed` is an int or a `jax.random` key. `on_tokens(tokens [B], active [B])` streams
-    each step's tokens to the host as they come. Compiled once per shape and settings: `width`
-    pads the prompts to that many positions (a bucket shared by many batches, `core.training.data.bucket_width`)."""
-    sampling, key = sampling_and_key(
-        max_new_tokens, temperature, top_k, top_p, stop_tokens, seed, no_repeat_ngram, word_reward
-    )
-    tokens, lengths = prepare_prompts(model, prompts, max_new_tokens, width)
+    `max_new_tokens`; `sampling` are the fields of `Sampling` (max_new_tokens, temperature,
+    top_k, top_p, stop_tokens, no_repeat_ngram, word_reward), the choice of tokens. A row stops
+    after its first stop token. `seed` is an int or a `jax.random` key. `on_tokens(tokens [B],
+    active [B])` streams each step's tokens to the host as they come. Compiled once per shape and
+    settings: `width` pads the prompts to that many positions (a bucket shared by many batches,
+    `core.training.data.bucket_width`)."""
+    settings, key = sampling_and_key(seed, **sampling)
+    tokens, lengths = prepare_prompts(model, prompts, settings.max_new_tokens, width)
     graphdef, params = nnx.split(model)
-    outputs = _sample_program(graphdef, sampling, on_tokens, use_cache, params, tokens, lengths, key)
+    outputs = _sample_program(graphdef, settings, on_tokens, use_cache, params, tokens, lengths, key)
     return Generation(*(np.asarray(x) for x in outputs))
 
 
@@ -157,23 +151,13 @@ def _sample_program(graphdef, sampling, on_tokens, use_cache, params, tokens, le
     return sample(functools.partial(step, model), state, logits, key, sampling, on_tokens)
 
 
-def generate_beams(
-    model: Model,
-    prompts: Sequence[Sequence[int]],
-    *,
-    beam_size: int,
-    max_new_tokens: int,
-    stop_tokens: Sequence[int] = (),
-    length_penalty: float = 0.6,
-    no_repeat_ngram: int = 0,
-    word_reward: float = 0.0,
-    width: int | None = None,
-) -> Beams:
+def generate_beams(model: Model, prompts: Sequence[Sequence[int]], *, width: int | None = None, **beam) -> Beams:
     """Beam search continuations of each prompt (see `core.generation.beam.beam_search`): -> `Beams` with
-    tokens [B, W, max_new_tokens], lengths [B, W] and scores [B, W], best first, as numpy;
-    `width` as `generate`'s."""
-    settings = beam_settings(beam_size, max_new_tokens, stop_tokens, length_penalty, no_repeat_ngram, word_reward)
-    tokens, lengths = prepare_prompts(model, prompts, max_new_tokens, width)
+    tokens [B, W, max_new_tokens], lengths [B, W] and scores [B, W], best first, as numpy; `beam`
+    are the fields of `BeamSettings` (beam_size, max_new_tokens, stop_tokens, length_penalty,
+    no_repeat_ngram, word_reward, early_stopping); `width` as `generate`'s."""
+    settings = beam_settings(**beam)
+    tokens, lengths = prepare_prompts(model, prompts, settings.max_new_tokens, width)
     graphdef, params = nnx.split(model)
     return Beams(*(np.asarray(x) for x in _beam_program(graphdef, settings, params, tokens, lengths)))
 

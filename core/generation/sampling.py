@@ -15,7 +15,8 @@ their steps.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -136,25 +137,15 @@ def sample(
     return tokens, lengths, log_probs
 
 
-def sampling_and_key(
-    max_new_tokens: int,
-    temperature: float,
-    top_k: int | None,
-    top_p: float | None,
-    stop_tokens: Sequence[int],
-    seed: int | jax.Array,
-    no_repeat_ngram: int = 0,
-    word_reward: float = 0.0,
-) -> tuple[Sampling, jax.Array]:
-    """`sample`'s settings, checked, and the random key, from the arguments of the generators."""
-    sampling = Sampling(
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        stop_tokens=tuple(int(t) for t in stop_tokens),
-        no_repeat_ngram=int(no_repeat_ngram),
-        word_reward=float(word_reward),
+def sampling_and_key(seed: int | jax.Array = 0, **fields) -> tuple[Sampling, jax.Array]:
+    """`sample`'s settings from the fields of `Sampling` that a generator was given (checked, and
+    as the hashable values a compiled program takes), and the random key of `seed` (an int or a
+    `jax.random` key)."""
+    if "stop_tokens" in fields:
+        fields["stop_tokens"] = tuple(int(t) for t in fields["stop_tokens"])
+    sampling = Sampling(**fields)
+    sampling = dataclasses.replace(
+        sampling, no_repeat_ngram=int(sampling.no_repeat_ngram), word_reward=float(sampling.word_reward)
     )
     return sampling, jax.random.key(seed) if isinstance(seed, (int, np.integer)) else seed
 
@@ -164,33 +155,24 @@ class BeamSettings(NamedTuple):
 
     beam_size: int
     max_new_tokens: int
-    stop_tokens: tuple[int, ...]
-    length_penalty: float
-    no_repeat_ngram: int
-    word_reward: float
-    early_stopping: bool
+    stop_tokens: tuple[int, ...] = ()
+    length_penalty: float = 0.6
+    no_repeat_ngram: int = 0
+    word_reward: float = 0.0
+    early_stopping: bool = False
 
 
-def beam_settings(
-    beam_size: int,
-    max_new_tokens: int,
-    stop_tokens: Sequence[int],
-    length_penalty: float,
-    no_repeat_ngram: int = 0,
-    word_reward: float = 0.0,
-    early_stopping: bool = False,
-) -> BeamSettings:
-    """`beam_search`'s settings, checked."""
-    if beam_size < 1:
-        raise UserError(f"beam_size={beam_size} must be at least 1.")
-    penalties.check(no_repeat_ngram, word_reward)
-    stops = tuple(int(t) for t in stop_tokens)
-    return BeamSettings(
-        beam_size,
-        max_new_tokens,
-        stops,
-        float(length_penalty),
-        int(no_repeat_ngram),
-        float(word_reward),
-        bool(early_stopping),
+def beam_settings(**fields) -> BeamSettings:
+    """`beam_search`'s settings from the fields of `BeamSettings` that a generator was given,
+    checked, as hashable values."""
+    settings = BeamSettings(**fields)
+    if settings.beam_size < 1:
+        raise UserError(f"beam_size={settings.beam_size} must be at least 1.")
+    penalties.check(settings.no_repeat_ngram, settings.word_reward)
+    return settings._replace(
+        stop_tokens=tuple(int(t) for t in settings.stop_tokens),
+        length_penalty=float(settings.length_penalty),
+        no_repeat_ngram=int(settings.no_repeat_ngram),
+        word_reward=float(settings.word_reward),
+        early_stopping=bool(settings.early_stopping),
     )

@@ -85,28 +85,20 @@ def generate_from_source(
     model: EncoderDecoder,
     sources: Sequence[Any],
     *,
-    max_new_tokens: int,
     start: Start,
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    stop_tokens: Sequence[int] = (),
     seed: int | jax.Array = 0,
     on_tokens: OnTokens | None = None,
     width: int | None = None,
-    no_repeat_ngram: int = 0,
-    word_reward: float = 0.0,
+    **sampling,
 ) -> Generation:
     """Target tokens for each source (token ids, or an array [S, F] of features for the source
-    front end; lengths may differ), after `start`'s prompt; the other settings as in `generate`.
-    Compiled once per shape and settings: `width` pads the sources to that many positions, so
-    that batches of different lengths can share one program."""
-    sampling, key = sampling_and_key(
-        max_new_tokens, temperature, top_k, top_p, stop_tokens, seed, no_repeat_ngram, word_reward
-    )
-    inputs, mask = prepare_sources(model, sources, max_new_tokens, width, len(start.prompt))
+    front end; lengths may differ), after `start`'s prompt; the other settings as in
+    `core.generation.generate.generate`. Compiled once per shape and settings: `width` pads the
+    sources to that many positions, so that batches of different lengths can share one program."""
+    settings, key = sampling_and_key(seed, **sampling)
+    inputs, mask = prepare_sources(model, sources, settings.max_new_tokens, width, len(start.prompt))
     graphdef, params = nnx.split(model)
-    outputs = _source_sample_program(graphdef, sampling, start, on_tokens, params, inputs, mask, key)
+    outputs = _source_sample_program(graphdef, settings, start, on_tokens, params, inputs, mask, key)
     return Generation(*(np.asarray(x) for x in outputs))
 
 
@@ -119,25 +111,13 @@ def _source_sample_program(graphdef, sampling, start, on_tokens, params, inputs,
 
 
 def generate_beams_from_source(
-    model: EncoderDecoder,
-    sources: Sequence[Any],
-    *,
-    beam_size: int,
-    max_new_tokens: int,
-    start: Start,
-    stop_tokens: Sequence[int] = (),
-    length_penalty: float = 0.6,
-    width: int | None = None,
-    no_repeat_ngram: int = 0,
-    word_reward: float = 0.0,
-    early_stopping: bool = False,
+    model: EncoderDecoder, sources: Sequence[Any], *, start: Start, width: int | None = None, **beam
 ) -> Beams:
     """Beam search targets for each source (see `generate_from_source` and
-    `core.generation.beam.beam_search`): -> `Beams` of [B, W, max_new_tokens] tokens, best first, as numpy."""
-    settings = beam_settings(
-        beam_size, max_new_tokens, stop_tokens, length_penalty, no_repeat_ngram, word_reward, early_stopping
-    )
-    inputs, mask = prepare_sources(model, sources, max_new_tokens, width, len(start.prompt))
+    `core.generation.beam.beam_search`; `beam` as `core.generation.generate.generate_beams`'s):
+    -> `Beams` of [B, W, max_new_tokens] tokens, best first, as numpy."""
+    settings = beam_settings(**beam)
+    inputs, mask = prepare_sources(model, sources, settings.max_new_tokens, width, len(start.prompt))
     graphdef, params = nnx.split(model)
     return Beams(*(np.asarray(x) for x in _source_beam_program(graphdef, settings, start, params, inputs, mask)))
 
