@@ -4,7 +4,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import apps, plain, table_rows
+from helpers import apps, plain, table_rows
 
 import tasks
 from core import run
