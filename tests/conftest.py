@@ -5,12 +5,24 @@ the fixtures several test files use. The helpers they share are in tests/helpers
 must not import this module.)
 """
 
+import atexit
 import gc
 import logging
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One persistent compilation cache for the session, which the subprocesses the tests start share
+# through the environment: a program compiled once (in this process, before a module's caches
+# were cleared, or in another process) is loaded the next time, however quickly it compiled.
+# Set JAX_COMPILATION_CACHE_DIR to keep the cache from one session to the next.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="apps-tests-jax-cache-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
