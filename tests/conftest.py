@@ -12,13 +12,7 @@ import os
 import shutil
 import tempfile
 
-# The suite's programs are small and most run a few times: LLVM's optimizations (level 0 here)
-# took a third of their compile time and gave nothing back (each task's tiny preset trained in
-# 97 s, 66 s without; SmolLM2's and Gemma 3's reference logits, whose products are library
-# calls either way, within noise of each other).
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
-)
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache for the session, which the subprocesses the tests start share
 # through the environment: a program compiled once (in this process, before a module's caches
