@@ -45,7 +45,7 @@ demo: $(STAMP)
 	$(BIN)/apps predict sentiment --workdir runs/demo "Runs small but the fabric is lovely" "Cheap material, it fell apart after one wash"
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -m "slow or not slow"
+	$(BIN)/python -m pytest -m "slow or not slow" --durations=20
 
 bench: $(STAMP)
 	$(BIN)/apps bench train

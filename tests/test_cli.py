@@ -5,7 +5,7 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import apps, plain, table_rows
+from helpers import apps, plain, table_rows
 
 import tasks
 from core import run

@@ -7,8 +7,8 @@ import json
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import apps, plain
 from flax import nnx
+from helpers import apps, plain
 from tiny_gguf import write_tiny_gguf
 
 from core.errors import UserError

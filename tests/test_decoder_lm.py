@@ -7,9 +7,9 @@ import json
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import apps, plain
 from flax import nnx
 from flax.traverse_util import flatten_dict
+from helpers import apps, plain
 from tiny_gguf import CHATML, write_tiny_gguf
 
 import tasks

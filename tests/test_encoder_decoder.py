@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import TINY_BODY as SETTINGS
 from flax import nnx
+from helpers import TINY_BODY as SETTINGS
 
 from core.config import ModelConfig
 from core.errors import UserError

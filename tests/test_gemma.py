@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import pretrained_decoder
+from helpers import pretrained_decoder
 
 from core.checkpoints import gemma, pretrained
 from core.generation import generate

@@ -5,8 +5,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TINY_BODY
 from flax import nnx
+from helpers import TINY_BODY
 
 from core.config import ModelConfig
 from core.errors import UserError

@@ -8,7 +8,7 @@ import shutil
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import pretrained_decoder
+from helpers import pretrained_decoder
 from tiny_gguf import write_tiny_gguf
 
 from core.checkpoints import pretrained

@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import pretrained_decoder
 from flax import nnx
+from helpers import pretrained_decoder
 
 from core.checkpoints import llama, pretrained
 from core.errors import UserError

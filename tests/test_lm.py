@@ -5,8 +5,8 @@ import math
 
 import numpy as np
 import pytest
-from conftest import apps, plain
 from flax import nnx
+from helpers import apps, plain
 
 from core import run
 from core.errors import UserError

@@ -4,8 +4,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 import typer
-from conftest import apps, plain
 from flax import nnx
+from helpers import apps, plain
 
 import cli
 from core import run

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import safetensors.numpy
 import tokenizers
-from conftest import apps
 from flax import nnx
+from helpers import apps
 
 from core.checkpoints import bert, pretrained, rules
 from core.config import ModelConfig

@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import apps, plain
+from helpers import apps, plain
 
 import tasks
 from core import run

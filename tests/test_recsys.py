@@ -4,7 +4,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import apps, plain
+from helpers import apps, plain
 
 from core.config import apply_overrides
 from core.errors import UserError

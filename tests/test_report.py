@@ -5,7 +5,7 @@ import logging
 import re
 
 import pytest
-from conftest import apps, plain
+from helpers import apps, plain
 
 from core.errors import UserError
 from core.report import report

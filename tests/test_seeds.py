@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from conftest import apps, plain
+from helpers import apps, plain
 
 from core import seeds
 

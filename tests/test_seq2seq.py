@@ -11,8 +11,8 @@ import re
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import apps
 from flax import nnx
+from helpers import apps
 
 import tasks
 from core import run

@@ -21,7 +21,7 @@ import numpy as np
 import openai
 import pytest
 import soundfile
-from conftest import apps
+from helpers import apps
 from rich.console import Console
 from test_multiprocess import free_port
 from tiny_gguf import write_tiny_gguf

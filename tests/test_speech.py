@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import soundfile
-from conftest import apps, table_rows
 from flax import nnx
+from helpers import apps, table_rows
 
 import tasks
 from core import run

@@ -6,8 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TINY_BODY
 from flax import nnx
+from helpers import TINY_BODY
 
 from core.config import ModelConfig
 from core.model.heads import PooledClassifier, TokenEmbedder

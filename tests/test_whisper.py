@@ -11,8 +11,8 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import logged_losses
 from flax import nnx
+from helpers import logged_losses
 
 from core.checkpoints import ctranslate2_files, pretrained, whisper
 from core.errors import UserError
