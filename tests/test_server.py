@@ -219,6 +219,75 @@ def test_a_client_that_disconnects_frees_its_slots(server):
     assert metric(url, "apps_prefills", model="tiny.gguf") - before < 16
 
 
+def test_clients_that_leave_unstreamed_requests_free_their_slots_within_a_second(server):
+    """Sixteen generations of 120 steps for four slots, asked by four clients that give up after
+    a fifth of a second: the slots and the queue are empty within a second of their leaving,
+    and the generations still waiting were never started."""
+    url, _ = server
+    body = {"model": "tiny.gguf", "prompt": "the", "max_tokens": 120, "min_tokens": 120, "n": 4, "temperature": 0}
+    before = {name: metric(url, name, model="tiny.gguf") for name in ("apps_prefills", "apps_generated_tokens_total")}
+    gone = []
+
+    def impatient():
+        try:
+            httpx.post(f"{url}/v1/completions", json=body, headers=auth(), timeout=0.2)
+        except httpx.TimeoutException:
+            gone.append(True)
+
+    threads = [threading.Thread(target=impatient) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    left = time.monotonic()
+    while metric(url, "apps_busy_slots", model="tiny.gguf") > 0 or metric(url, "apps_queue_depth", model="tiny.gguf"):
+        assert time.monotonic() - left < 1.0, "the slots of clients that left were still busy after a second"
+        time.sleep(0.02)
+    assert len(gone) == 4
+    assert metric(url, "apps_prefills", model="tiny.gguf") - before["apps_prefills"] < 16
+    made = metric(url, "apps_generated_tokens_total", model="tiny.gguf") - before["apps_generated_tokens_total"]
+    assert made < 16 * 120
+
+
+def test_a_stream_sends_no_part_of_a_stop_sequence(server):
+    """Streamed and whole answers agree for stops that end the answer, that begin it and that
+    never complete: what may begin a stop waits until the next tokens decide."""
+    url, _ = server
+    whole = client(url).completions.create(model="tiny.gguf", prompt="a b c", max_tokens=12, temperature=0)
+    text = whole.choices[0].text
+    for stop in [text[4:7], text[:3], text[-2:] + "\u00a7never"]:
+        request = dict(model="tiny.gguf", prompt="a b c", max_tokens=12, temperature=0, stop=[stop])
+        answer = client(url).completions.create(**request).choices[0].text
+        streamed = "".join(c.choices[0].text for c in client(url).completions.create(**request, stream=True))
+        assert streamed == answer == (text[: text.index(stop)] if stop in text else text)
+
+
+def test_a_streams_latency_is_its_whole_length(server):
+    url, _ = server
+    before = metric(url, "apps_request_seconds_sum", endpoint="/v1/completions")
+    started = time.perf_counter()
+    request = dict(model="tiny.gguf", prompt="the", max_tokens=120, temperature=0, stream=True)
+    first = None
+    for _ in client(url).completions.create(**request, extra_body={"min_tokens": 120}):
+        first = first or time.perf_counter() - started
+    took = time.perf_counter() - started
+    assert took > 2 * first  # the stream's length is mostly after its headers
+    assert metric(url, "apps_request_seconds_sum", endpoint="/v1/completions") - before >= 0.8 * took - 0.05
+
+
+def test_bad_texts_cost_one_status_and_no_log(server):
+    url, log = server
+    before = log.read_text()
+    for _ in range(5):
+        response = httpx.post(
+            f"{url}/v1/chat/completions",
+            content=b'{"messages": [{"role": "user", "content": "hi \\ud800"}]}',
+            headers={**auth(), "content-type": "application/json"},
+        )
+        assert response.status_code == 400
+    assert log.read_text() == before
+
+
 def test_predict_batches_concurrent_requests_into_one_call(server):
     url, _ = server
     alone = httpx.post(f"{url}/v1/sentiment/predict", json={"inputs": ["great fit"]}, headers=auth()).json()
@@ -260,6 +329,23 @@ def test_predict_batches_concurrent_requests_into_one_call(server):
         ("/v1/sentiment/predict", {"inputs": "fine"}, 400, "inputs"),
         ("/v1/recsys/predict", {"inputs": ["1,2"]}, 404, "model"),
         ("/v1/completions", {"prompt": "a" * (5 * 1024 * 1024)}, 413, "body"),
+        # JSON's types as given, as OpenAI's API takes them.
+        ("/v1/completions", {"prompt": "a", "max_tokens": "10"}, 400, "max_tokens"),
+        ("/v1/completions", {"prompt": "a", "max_tokens": True}, 400, "max_tokens"),
+        # Half a surrogate pair is no text: named, never a 500.
+        ("/v1/completions", b'{"prompt": "the \\ud800"}', 400, "prompt"),
+        ("/v1/completions", b'{"prompt": ["the", "\\ud800"]}', 400, "prompt.1"),
+        ("/v1/completions", b'{"prompt": "the", "stop": "\\udfff"}', 400, "stop"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud800"}]}', 400, "messages.0.content"),
+        ("/v1/sentiment/predict", b'{"inputs": ["fine", "\\ud800"]}', 400, "inputs.1"),
+        ("/v1/sentiment/predict", b'{"inputs": ["fine"], "options": {"x": "\\ud800"}}', 400, "options"),
+        ("/v1/completions", b'{"prompt": "\xff"}', 400, "body"),  # not UTF-8
+        # More generations than the queue holds could never be served: not a 503 to retry.
+        ("/v1/completions", {"prompt": ["a"] * 257}, 400, "prompt"),
+        ("/v1/completions", {"prompt": ["a"] * 20, "n": 16}, 400, "n"),
+        # Starlette's own refusals, in the same shape.
+        ("/v1/nothing", {}, 404, None),
+        ("/v1/models", {}, 405, None),
     ],
 )
 def test_each_bad_request_is_a_json_error_naming_its_field_and_the_server_goes_on(server, path, body, status, param):

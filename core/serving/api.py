@@ -1,17 +1,20 @@
 """What the server's HTTP layer speaks: OpenAI-shaped errors and the request bodies it accepts.
 
 Errors are {"error": {"message", "type", "param", "code"}} with the request's status; bodies are
-pydantic models that refuse unknown fields, so that a misspelt option is a 400 naming it.
+pydantic models that refuse unknown fields, so that a misspelt option is a 400 naming it, and
+take JSON's types strictly, as OpenAI's API does (`"10"` or `true` is not a number of tokens).
+Every text is checked to be one that UTF-8 can carry: JSON's escapes can spell half of a
+surrogate pair (`"\ud800"`), which no tokenizer can encode.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from core.errors import UserError
 
@@ -50,21 +53,44 @@ async def within(awaitable, timeout: float):
         ) from None
 
 
-class Strict(BaseModel):
-    """A request body whose unknown fields are refused: a misspelt option should not pass silently."""
+def _texts(value: Any):
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, (list, dict)):
+        for item in value.values() if isinstance(value, dict) else value:
+            yield from _texts(item)
 
-    model_config = ConfigDict(extra="forbid")
+
+def encodable(value: Any) -> Any:
+    """`value` (a text, or JSON holding texts), refused if a text holds a lone surrogate."""
+    for text in _texts(value):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as error:
+            where = f"{text[error.start]!r} at character {error.start}"
+            raise ValueError(f"holds a lone surrogate ({where}), which is not text") from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(encodable)]
+
+
+class Strict(BaseModel):
+    """A request body whose unknown fields are refused (a misspelt option should not pass
+    silently) and whose values have JSON's types as given."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class PredictBody(Strict):
-    inputs: list[str] = Field(min_length=1)
-    options: dict[str, Any] = Field(default_factory=dict)
-    model: str | None = None
+    inputs: list[Text] = Field(min_length=1)
+    options: Annotated[dict[str, Any], AfterValidator(encodable)] = Field(default_factory=dict)
+    model: Text | None = None
 
 
 class Message(Strict):
     role: Literal["system", "user", "assistant"]
-    content: str
+    content: Text
 
 
 class StreamOptions(Strict):
@@ -72,18 +98,18 @@ class StreamOptions(Strict):
 
 
 class Sampling(Strict):
-    model: str | None = None
+    model: Text | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0, le=2)
     top_p: float = Field(default=1.0, gt=0, le=1)
     n: int = Field(default=1, ge=1, le=16)
     stream: bool = False
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     seed: int | None = Field(default=None, ge=0, lt=2**32)
     # As vLLM's and llama-cpp-python's servers take it: the model's end tokens cannot be drawn
     # before this many new tokens (min_tokens = max_tokens fixes a load benchmark's output lengths).
     min_tokens: int = Field(default=0, ge=0)
-    user: str | None = None
+    user: Text | None = None
     stream_options: StreamOptions | None = None
 
     def stops(self) -> list[str]:
@@ -94,7 +120,7 @@ class Sampling(Strict):
 
 
 class CompletionBody(Sampling):
-    prompt: str | list[str]
+    prompt: Text | list[Text]
 
 
 class ChatBody(Sampling):

@@ -47,6 +47,10 @@ class Batcher:
         self.max_batch, self.max_wait, self.metrics = max_batch, max_wait, metrics
         self.queue: asyncio.Queue[_Pending] = asyncio.Queue(maxsize=queue_size)
         self.task: asyncio.Task | None = None
+        self.held: list[_Pending] = []  # taken from the queue, waiting for a call with their options
+
+    def waiting(self) -> int:
+        return self.queue.qsize() + len(self.held)
 
     def start(self) -> None:
         self.task = asyncio.get_running_loop().create_task(self._loop())
@@ -57,11 +61,10 @@ class Batcher:
             self.queue.put_nowait(_Pending(examples, values, json.dumps(values, sort_keys=True, default=str), future))
         except asyncio.QueueFull:
             raise ApiError(503, "The server is at capacity: retry shortly.", kind="overloaded") from None
-        self.metrics.queue.labels(self.name).set(self.queue.qsize())
         return await future
 
     async def _loop(self) -> None:
-        held: list[_Pending] = []
+        held = self.held
         while True:
             first = held.pop(0) if held else await self.queue.get()
             batch, size = [first], len(first.examples)
@@ -82,7 +85,6 @@ class Batcher:
                         continue
                 batch.append(same)
                 size += len(same.examples)
-            self.metrics.queue.labels(self.name).set(self.queue.qsize() + len(held))
             self.metrics.batch.labels(self.name).observe(len(batch))
             batch = [p for p in batch if not p.future.done()]  # timed out while waiting
             if batch:

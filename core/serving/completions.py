@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
+from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from core.generation.detokenize import Detokenizer
@@ -33,9 +34,10 @@ class Completions:
     def __init__(self, metrics: Metrics, timeout: float):
         self.metrics, self.timeout = metrics, timeout
 
-    async def answer(self, served: Served, body: Sampling, prompts: list[list[int]], kind: str):
+    async def answer(self, served: Served, body: Sampling, prompts: list[list[int]], kind: str, client: Request):
         """The response to `body` (of `kind` "text_completion" or "chat.completion") for the
-        tokenized `prompts`: a JSON body, or an event stream."""
+        tokenized `prompts`: a JSON body, or an event stream. A `client` who leaves before the
+        answer is whole frees its slots at once, streamed or not."""
         choices = self._submit(served, body, prompts, kind)
         chat = kind == "chat.completion"
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
@@ -44,10 +46,10 @@ class Completions:
             usage = prompt_tokens if body.stream_options is not None and body.stream_options.include_usage else None
             return _EventStream(self._events(served, choices, ident, chat, usage), media_type="text/event-stream")
         try:
-            await within(asyncio.gather(*(c.finished for c in choices)), self.timeout)
+            await within(_unless_gone(asyncio.gather(*(c.finished for c in choices)), client), self.timeout)
         finally:
             for choice in choices:
-                choice.request.cancel()  # a timed-out or failed request frees its slot
+                choice.request.cancel()  # a timed-out, failed or abandoned request frees its slot
         self._count(served, choices)
         return {
             "id": ident,
@@ -65,6 +67,14 @@ class Completions:
     def _submit(self, served: Served, body: Sampling, prompts: list[list[int]], kind: str) -> list[Choice]:
         """Every choice of the request, its generation queued in the engine (or none: a 503)."""
         engine, stops = served.engine, body.stops()
+        wanted = len(prompts) * body.n
+        if wanted > engine.waiting.maxsize:  # it could never be queued, however idle the server
+            raise ApiError(
+                400,
+                f"{'n' if body.n > 1 else 'prompt'}: {len(prompts)} prompt(s) x n={body.n} make {wanted} "
+                f"generations, more than the {engine.waiting.maxsize} this server queues (apps serve --queue).",
+                "n" if body.n > 1 else "prompt",
+            )
         max_new = _max_new_tokens(engine.context, body, prompts, kind)
         seed = body.seed if body.seed is not None else secrets.randbits(31)
         events: asyncio.Queue = asyncio.Queue()  # every choice's new text, as it comes (for streaming)
@@ -91,7 +101,6 @@ class Completions:
             for choice in choices:
                 choice.request.cancel()
             raise ApiError(503, "The server is at capacity: retry shortly.", kind="overloaded") from None
-        self.metrics.queue.labels(served.name).set(engine.waiting.qsize())
         return choices
 
     def _count(self, served: Served, choices: list[Choice]) -> None:
@@ -155,6 +164,29 @@ def _max_new_tokens(context: int, body: Sampling, prompts: list[list[int]], kind
     return max_new
 
 
+async def _unless_gone(answer: asyncio.Future, client: Request):
+    """`answer`'s result, or ApiError 499 once `client` has hung up (a non-streamed request:
+    Starlette tells its handler nothing, so the connection is asked every POLL seconds)."""
+    watch = asyncio.ensure_future(_gone(client))
+    try:
+        done, _ = await asyncio.wait({answer, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not answer.done():  # gone, or this wait cut off by the timeout
+            answer.cancel()
+    if answer not in done:
+        raise ApiError(499, "The client closed the connection before the answer was ready.", kind="client_closed")
+    return answer.result()
+
+
+POLL = 0.1
+
+
+async def _gone(client: Request) -> None:
+    while not await client.is_disconnected():
+        await asyncio.sleep(POLL)
+
+
 class _EventStream(StreamingResponse):
     """Server-sent events that close their generator however the response ends. Starlette leaves
     a generator cut off at a `yield` (the client gone while a chunk was being sent) to garbage
@@ -181,10 +213,16 @@ def _event(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
+def _undecided(text: str, stops: list[str]) -> int:
+    """The length of the longest end of `text` that begins some stop sequence."""
+    return max((k for s in stops for k in range(1, min(len(s), len(text) + 1)) if text.endswith(s[:k])), default=0)
+
+
 class Choice:
     """One choice: its tokens as the engine emits them (on the engine's thread, handed to the
     event loop), turned into text, cut at the first stop sequence, with its finish reason. Each
-    change goes to `events` as (index, new text, finish reason)."""
+    change goes to `events` as (index, new text, finish reason); text that may begin a stop
+    sequence is held back until it is decided, so a stream never sends a part of one."""
 
     def __init__(self, continuation, prompt: list[int], stops: list[str], index: int, events, loop):
         self.prompt, self.stops, self.index, self.events, self.loop = prompt, stops, index, events, loop
@@ -208,8 +246,8 @@ class Choice:
             if text is None:
                 return  # the rest of a character is still to come
             cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
-            if cut < 0:
-                self._send(text, None)
+            if cut < 0:  # what may begin a stop sequence waits until the next tokens decide
+                self._send(text[: len(text) - _undecided(text, self.stops)], None)
                 return
             self.request.cancel()
             self._send(text[:cut], "stop")

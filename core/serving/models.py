@@ -35,6 +35,10 @@ class Served:
     def task(self):
         return self.predictor.task
 
+    def waiting(self) -> int:
+        """Requests waiting for its predict worker or for a generation slot."""
+        return self.batcher.waiting() + (self.engine.waiting.qsize() if self.engine is not None else 0)
+
     def rows(self, groups: list[list[dict]], values: dict[str, Any]) -> list[list[dict]]:
         """Each request's rows, its examples run with every other request's in one call. The
         predictions hold an entry per example (`core.run.Predictor.run_examples`), so each

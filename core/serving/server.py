@@ -39,6 +39,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from core.errors import UserError
 from core.serving.api import ApiError, ChatBody, CompletionBody, PredictBody, within
@@ -98,6 +99,7 @@ class Server:
                 metrics=self.metrics,
             )
             served.batcher.start()
+            self.metrics.queue.labels(served.name).set_function(served.waiting)
             if served.engine is not None:
                 served.engine.start()
         yield
@@ -136,25 +138,21 @@ class Server:
         """The key and size checks and the metrics of every request, and errors as OpenAI's."""
         app, metrics = self.app, self.metrics
 
-        @app.middleware("http")
-        async def guard(request: Request, call_next):
-            path = request.url.path
-            # A label per route, not per path: a client's stray URLs must not grow the metrics.
-            endpoint = path if path in ENDPOINTS else "/v1/{task}/predict" if PREDICT.fullmatch(path) else "other"
-            started = time.perf_counter()
-            try:
-                self._check(request)
-                response = await call_next(request)
-            except ApiError as error:
-                response = error.response()
-            metrics.requests.labels(endpoint, str(response.status_code)).inc()
-            metrics.latency.labels(endpoint).observe(time.perf_counter() - started)
-            return response
+        app.add_middleware(_Guard, check=self._check, metrics=metrics)
 
         @app.exception_handler(ApiError)
         async def api_error(request: Request, error: ApiError):
             headers = {"Retry-After": "1"} if error.status == 503 else None
             return error.response(headers)
+
+        @app.exception_handler(StarletteHTTPException)
+        async def http_error(request: Request, error: StarletteHTTPException):
+            # Starlette's own refusals (no such route, a method the route lacks, a body that is
+            # not UTF-8), in the same shape as every other error.
+            param = "body" if error.status_code == 400 else None
+            kind = "not_found" if error.status_code == 404 else "invalid_request_error"
+            message = f"{request.method} {request.url.path}: {error.detail}."
+            return ApiError(error.status_code, message, param, kind).response(error.headers)
 
         @app.exception_handler(Exception)
         async def failed(request: Request, error: Exception):
@@ -164,11 +162,16 @@ class Server:
 
         @app.exception_handler(RequestValidationError)
         async def invalid(request: Request, error: RequestValidationError):
-            first = error.errors()[0]
-            where = ".".join(str(part) for part in first["loc"] if part != "body") or "body"
-            if first["type"] == "json_invalid":
-                return ApiError(400, f"The body is not valid JSON ({first['msg']}).", "body").response()
-            return ApiError(400, f"{where}: {first['msg']}.", where).response()
+            # A field of several types (a text or a list of texts) fails once per type: the
+            # error that got furthest says what is wrong. Its place is the body's own, without
+            # the tags pydantic gives each type of a union ("list[str]").
+            found = max(error.errors(), key=lambda e: (e["type"] == "value_error", len(e["loc"])))
+            place = [str(part) for part in found["loc"] if part != "body" and "[" not in str(part)]
+            where = ".".join(place) or "body"
+            if found["type"] == "json_invalid":
+                return ApiError(400, f"The body is not valid JSON ({found['msg']}).", "body").response()
+            message = found["msg"].removeprefix("Value error, ")
+            return ApiError(400, f"{where}: {message}.", where).response()
 
     def _endpoints(self) -> None:
         app = self.app
@@ -205,23 +208,23 @@ class Server:
             return {"model": served.name, "task": served.task.name, "predictions": rows}
 
         @app.post("/v1/completions")
-        async def completions(body: CompletionBody):
+        async def completions(body: CompletionBody, client: Request):
             served = self.model(body.model, generates=True)
             prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
             if not prompts or any(not p for p in prompts):
                 raise ApiError(400, "prompt: give a non-empty text (or a list of them).", "prompt")
             ids = [served.predictor.featurizer.prompt({"text": p}) for p in prompts]
-            return await self.completions.answer(served, body, ids, "text_completion")
+            return await self.completions.answer(served, body, ids, "text_completion", client)
 
         @app.post("/v1/chat/completions")
-        async def chat(body: ChatBody):
+        async def chat(body: ChatBody, client: Request):
             served = self.model(body.model, generates=True)
             featurizer: CompletingFeaturizer = served.predictor.featurizer
             if featurizer.tokenizer.chat_template is None:
                 raise ApiError(400, f"model: {served.name} has no chat template; use /v1/completions.", "model")
             messages = [m.model_dump() for m in body.messages]
             ids = [featurizer.prompt({"text": messages[-1]["content"], "messages": messages})]
-            return await self.completions.answer(served, body, ids, "chat.completion")
+            return await self.completions.answer(served, body, ids, "chat.completion", client)
 
     def _check(self, request: Request) -> None:
         """The key (all but /health) and the body's size, before the body is read."""
@@ -238,3 +241,35 @@ class Server:
             raise ApiError(411, "Send the body with a Content-Length header.", "body")
         if length is not None and (not length.isdigit() or int(length) > self.max_body):
             raise ApiError(413, f"The body is larger than the {self.max_body} bytes this server takes.", "body")
+
+
+class _Guard:
+    """The key and size checks and the metrics of every request, as plain ASGI middleware: a
+    request's time runs to the end of its body (a stream's whole length, not the time to its
+    headers), and the handler keeps the connection's own `receive`, through which it learns that
+    a client has gone (Starlette's `BaseHTTPMiddleware` hides that from it)."""
+
+    def __init__(self, app, check, metrics: Metrics):
+        self.app, self.check, self.metrics = app, check, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        # A label per route, not per path: a client's stray URLs must not grow the metrics.
+        endpoint = path if path in ENDPOINTS else "/v1/{task}/predict" if PREDICT.fullmatch(path) else "other"
+        started = time.perf_counter()
+
+        async def counted(message) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.requests.labels(endpoint, str(message["status"])).inc()
+            await send(message)
+
+        try:
+            self.check(Request(scope))
+        except ApiError as error:
+            await error.response()(scope, receive, counted)
+        else:
+            await self.app(scope, receive, counted)
+        finally:
+            self.metrics.latency.labels(endpoint).observe(time.perf_counter() - started)
