@@ -43,7 +43,7 @@ from core.predict import Predictor, predict
 from core.task import predict_option_values
 from core.training import data as data_lib
 from core.training import host, memory, sharding, transfer
-from core.training.checkpoints import write_json, writer_lock
+from core.training.checkpoints import undone_on_failure, write_json
 from core.training.fit import fit
 from core.training.steps import build_model, evaluate_arrays, make_steps
 
@@ -86,7 +86,7 @@ def train(
     config = make_config(task_type, preset, overrides)
     data_lib.check_batch_size(config.train.batch_size, "train.batch_size", config.train.grad_accum)
     data_lib.check_batch_size(config.train.eval_batch_size, "train.eval_batch_size")
-    with writer_lock(workdir):
+    with undone_on_failure(workdir):
         return _train(task_type(config=config, data=data), workdir, console)
 
 
@@ -153,8 +153,8 @@ def _featurizer(task, train_examples: list[dict], workdir: Path):
     multi-process run, while the others wait) and saved there for every process to load."""
     directory = workdir / "featurizer"
     if jax.process_index() == 0 and not (workdir / "config.json").exists():
-        # Left by a run refused before it began (its config is written once the memory check
-        # passes): fitted again, since the options may have changed since.
+        # Left by a run killed before it began (its config is written once the memory check
+        # passes; one that fails is undone): fitted again, since the options may have changed since.
         shutil.rmtree(directory, ignore_errors=True)
     if jax.process_index() == 0 and not directory.exists():
         # Fitted into a temporary folder and renamed: a killed run never leaves half a featurizer.

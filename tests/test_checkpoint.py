@@ -4,6 +4,8 @@ warning, never loaded; `best/` and evaluation hold parameters only; throughput c
 
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,11 +15,13 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from helpers import logged_losses
+from helpers import apps, logged_losses, plain
 
 from core import run
+from core.errors import UserError
+from core.training import data as data_lib
 from core.training import hooks as hooks_lib
-from core.training.checkpoints import Checkpoints
+from core.training.checkpoints import Checkpoints, undone_on_failure
 from tasks.nlp.sentiment import SentimentTask
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -137,9 +141,8 @@ def test_killed_run_resumes_from_its_last_complete_checkpoint(tmp_path):
 
 def test_one_writer_per_workdir_and_a_dead_writers_lock_is_taken_over(tmp_path, apps_log):
     """A second `apps train` into a workdir that a live process trains stops, naming it; once
-    that process is killed (no clean exit), the next run takes the lock over and says so; a
-    clean exit leaves the lock free and unnamed."""
-    from core.errors import UserError
+    that process is killed (no clean exit), the next run takes the lock over and says so; an
+    exit, by an exception too, leaves the lock free and unnamed."""
     from core.training.checkpoints import writer_lock
 
     workdir = tmp_path / "run"
@@ -159,6 +162,9 @@ def test_one_writer_per_workdir_and_a_dead_writers_lock_is_taken_over(tmp_path, 
     with writer_lock(workdir):
         assert lock.read_text().startswith(f"process {os.getpid()} on ")
     assert f"was last trained by process {first.pid} on " in apps_log.text and lock.read_text() == ""
+    with pytest.raises(RuntimeError), writer_lock(workdir):
+        raise RuntimeError
+    assert lock.read_text() == ""
 
 
 @pytest.mark.parametrize("number", [signal.SIGTERM, signal.SIGINT])
@@ -189,3 +195,47 @@ def test_a_signalled_run_checkpoints_its_step_and_resumes_as_if_never_stopped(tm
     train(stopped, options)
     train(tmp_path / "straight", options)
     assert logged_losses(stopped) == pytest.approx(logged_losses(tmp_path / "straight"), rel=1e-6)
+
+
+def test_a_run_that_fails_before_its_first_step_leaves_the_workdir_as_it_was(tmp_path, apps_log):
+    """A batch larger than the training split: a clear error and exit 1, no workdir left behind
+    (nor the parents made for it), a folder the user made stays as it was, and the corrected
+    command then trains there instead of being refused as another configuration."""
+    command = ["train", "sentiment", "--preset", "tiny", "--data", "synthetic", "--set", "train.steps=2"]
+    command += ["--set", "train.eval_every=2", "--set", "train.checkpoint_every=2"]
+    nested, made = tmp_path / "new" / "run", tmp_path / "made"
+    made.mkdir()
+    (made / "notes.txt").write_text("mine")
+    for workdir in (nested, made):
+        result = apps(*command, "--set", "train.batch_size=4096", "--workdir", workdir)
+        assert result.exit_code == 1, result.output
+        assert re.search(r"The training split has \d+ examples, fewer than one batch of 4096\.", plain(result.output))
+    assert not (tmp_path / "new").exists()
+    assert [p.name for p in made.iterdir()] == ["notes.txt"] and (made / "notes.txt").read_text() == "mine"
+    result = apps(*command, "--workdir", made)
+    assert result.exit_code == 0, result.output
+    assert (made / "train.lock").read_text() == "" and "without releasing" not in apps_log.text
+    with pytest.raises(UserError, match=r"The training split has 1 example, fewer than one batch of 8\."):
+        next(data_lib.train_batches({"weights": np.ones(1)}, 8, 0))
+
+
+def test_a_failed_attempt_is_undone_but_a_resumable_run_keeps_its_files(straight, tmp_path, apps_log):
+    """Ctrl-C before a step in a folder the user made removes only what the attempt added, and
+    frees the lock unnamed; a resume that fails before its first step (a damaged best.json)
+    touches none of the run's files."""
+    made = tmp_path / "made"
+    made.mkdir()
+    (made / "notes.txt").write_text("mine")
+    with pytest.raises(KeyboardInterrupt), undone_on_failure(made):
+        (made / "config.json").write_text("{}")
+        (made / "featurizer").mkdir()
+        raise KeyboardInterrupt
+    assert [p.name for p in made.iterdir()] == ["notes.txt"]
+    copy = tmp_path / "run"
+    shutil.copytree(straight, copy)
+    (copy / "best.json").write_text('{"step": 4, "value": ')
+    files = {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()}
+    with pytest.raises(UserError, match="best.json is not valid JSON"):
+        train(copy)
+    assert {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()} == files
+    assert (copy / "train.lock").read_text() == "" and "without releasing" not in apps_log.text

@@ -94,10 +94,11 @@ def test_the_template_holds_the_source_and_gloss_as_written(base_tokenizer):
         CompletionFeaturizer(base_tokenizer, "Translate:", 40, 40, 128)
 
 
-def test_a_prompt_without_the_source_is_refused_at_the_command_line():
-    result = apps("train", "summarize", "--preset", "tiny", "--set", "data.prompt='Title:'")
+def test_a_prompt_without_the_source_is_refused_at_the_command_line(tmp_path):
+    command = ["train", "summarize", "--preset", "tiny", "--workdir", tmp_path / "run"]
+    result = apps(*command, "--set", "data.prompt='Title:'")
     assert result.exit_code == 1 and "data.prompt='Title:' must hold {source}" in plain(result.output)
-    result = apps("train", "summarize", "--preset", "tiny", "--set", "model.causal=true")
+    result = apps(*command, "--set", "model.causal=true")
     assert result.exit_code == 1 and "reads a prompt: give data.prompt" in plain(result.output)
 
 

@@ -65,7 +65,7 @@ def test_a_run_too_large_is_refused_before_anything_is_built(tmp_path):
     message = plain(result.output)
     assert "This run cannot fit: memory estimate:" in message and "available on host" in message
     assert "train.batch_size" in message and "train.remat=true" in message and "train.fsdp=N" in message
-    assert not (tmp_path / "config.json").exists()  # nothing of a run that never began
+    assert list(tmp_path.iterdir()) == []  # nothing of a run that never began, not even its lock
 
 
 def test_a_device_out_of_memory_error_becomes_one_message(capsys):

@@ -5,7 +5,8 @@ A workdir holds `config.json`, `data.json` (what it was trained on: `core.run`),
 `best/` (the parameters alone of the best validation step, for eval and predict) and
 `metrics.jsonl`. Each checkpoint has the items
 `params` and, in `checkpoints/`, `training` (optimizer state and step), so that eval and
-predict read parameters only.
+predict read parameters only. A training attempt that fails before its first step leaves the
+workdir as it found it (`undone_on_failure`).
 
 Saves are synchronous and orbax writes each one to a temporary folder that it renames when
 complete, so a killed run leaves its last completed checkpoint intact. A checkpoint that
@@ -187,9 +188,9 @@ def writer_lock(workdir: Path) -> Iterator[None]:
     """Holds `workdir`'s writer lock (`train.lock`) for a training run: a second `apps train`
     into it stops at once, naming the process that trains there. An advisory `flock`, which the
     kernel releases when its process ends however it ends; the file keeps the holder's name
-    until a clean exit empties it, so a run that finds a name in a free lock knows that the
-    process before it died, and says so. Eval and predict take no lock: they read a run that is
-    training. In a multi-process run, process 0 holds it for all."""
+    until the with-block ends (by an exception too), so a run that finds a name in a free lock
+    knows that the process before it was killed, and says so. Eval and predict take no lock:
+    they read a run that is training. In a multi-process run, process 0 holds it for all."""
     if jax.process_index() != 0:
         yield
         return
@@ -214,11 +215,74 @@ def writer_lock(workdir: Path) -> Iterator[None]:
         started = time.strftime("%Y-%m-%d %H:%M:%S")
         handle.write(f"process {os.getpid()} on {socket.gethostname()} (since {started})")
         handle.flush()
-        yield
-        handle.seek(0)
-        handle.truncate()
+        try:
+            yield
+        finally:
+            # An exception is a clean exit too: only a killed process leaves its name behind.
+            handle.seek(0)
+            handle.truncate()
     finally:
         handle.close()
+
+
+@contextmanager
+def undone_on_failure(workdir: Path) -> Iterator[None]:
+    """Holds `workdir`'s writer lock for one training attempt and, should the attempt fail (any
+    exception, Ctrl-C included) before it records a step, puts the workdir back as it was: what
+    the attempt created goes (the workdir itself, and the parents made for it, if they were new),
+    what was there before stays. Otherwise a mistake such as a batch larger than the data left a
+    config.json behind, and the corrected command was refused as another configuration. Once a
+    step is recorded (a checkpoint or metrics.jsonl), everything stays, for resuming. Only the
+    top level is compared: an attempt that records no step adds nothing inside older folders.
+    In a multi-process run, process 0 alone removes (and holds the lock)."""
+    if jax.process_index() != 0:
+        yield
+        return
+    new = next((p for p in reversed([workdir, *workdir.parents]) if not p.exists()), None)
+    before = set(os.listdir(workdir)) if new is None else set()
+    undone = False
+    try:
+        with writer_lock(workdir):
+            try:
+                yield
+            except BaseException:
+                undone = not _records_a_step(workdir)
+                if undone:
+                    for name in set(os.listdir(workdir)) - before - {LOCK}:
+                        _remove(workdir / name)
+                    if LOCK not in before:
+                        # Removed while still held, so that no other run takes a lock that is then removed.
+                        (workdir / LOCK).unlink(missing_ok=True)
+                raise
+    finally:
+        folder = workdir
+        while undone and new is not None:
+            try:
+                folder.rmdir()  # only when empty: another run may have begun here meanwhile
+            except OSError:
+                break
+            if folder == new:
+                break
+            folder = folder.parent
+
+
+def _records_a_step(workdir: Path) -> bool:
+    """Whether `workdir` holds a trained step: metrics, or a checkpoint (kept, or set aside as corrupt)."""
+
+    def names(folder: str) -> list[str]:
+        return [p.name for p in (workdir / folder).iterdir()] if (workdir / folder).is_dir() else []
+
+    metrics = workdir / "metrics.jsonl"
+    if metrics.is_file() and metrics.stat().st_size > 0:
+        return True
+    return any(name.isdigit() for name in names("checkpoints") + names("best")) or bool(names("corrupt"))
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def read_json(path: Path, remedy: str) -> Any:

@@ -65,7 +65,8 @@ def train_batches(
     total = size(arrays)
     per_epoch = total // batch_size
     if per_epoch == 0:
-        raise UserError(f"The training split has {total} examples, fewer than one batch of {batch_size}.")
+        examples = f"{total} example{'s' if total != 1 else ''}"
+        raise UserError(f"The training split has {examples}, fewer than one batch of {batch_size}.")
     lengths = sum(arrays[key].sum(1) for key in trim) if trim else None
     step, epoch, order = start_step, None, None
     while True:
