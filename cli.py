@@ -306,6 +306,7 @@ def serve(
     dtype: DtypeOpt = "float32",
     queue: Annotated[int, typer.Option(metavar="N", help="Requests that may wait per model; past it, 503.")] = 256,
     timeout: Annotated[float, typer.Option(metavar="S", help="Seconds a request may take; past it, 504.")] = 300.0,
+    read_timeout: Annotated[float, typer.Option(metavar="S", help="Seconds to send a head or each body piece.")] = 30.0,
     api_key: Annotated[
         Optional[str],
         typer.Option(envvar="APPS_API_KEY", metavar="KEY", help="Require Authorization: Bearer KEY."),
@@ -320,7 +321,7 @@ def serve(
     from core.serving import launch
 
     settings = launch.Settings(
-        host, port, max_batch, max_wait_ms, context, dtype, queue, timeout, api_key, allow_unauthenticated
+        host, port, max_batch, max_wait_ms, context, dtype, queue, timeout, api_key, allow_unauthenticated, read_timeout
     )
     settings.check()
     terminal.show_task_log()

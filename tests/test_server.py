@@ -1,7 +1,7 @@
 """`apps serve` in a subprocess on a free local port, through real clients: the official `openai`
 client (completions, chat, streaming), continuous batching that gives what one request at a time
-gives, a disconnect freeing its slots, the key, every bad request with its status, predict
-batching, and SIGTERM draining what is in flight."""
+gives, a disconnect freeing its slots, the key, every bad request with its status, a slow client
+cut off, predict batching, and SIGTERM draining what is in flight."""
 
 import base64
 import contextlib
@@ -9,6 +9,7 @@ import io
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -86,9 +87,8 @@ def server(tmp_path_factory, tiny):
         sentiment,
     )
     assert trained.exit_code == 0, trained.output
-    with serving(
-        tmp, "--workdir", str(sentiment), "--model", str(tiny), "--max-batch", "4", "--max-wait-ms", "300"
-    ) as (
+    server_options = ("--max-batch", "4", "--max-wait-ms", "300", "--read-timeout", "2")
+    with serving(tmp, "--workdir", str(sentiment), "--model", str(tiny), *server_options) as (
         _,
         url,
         log,
@@ -367,6 +367,39 @@ def test_a_body_of_unknown_length_is_refused(server):
     assert response.status_code == 411 and response.json()["error"]["param"] == "body"
 
 
+def test_a_client_slow_to_send_its_head_or_body_is_cut_off_and_the_server_goes_on(server):
+    url, _ = server  # --read-timeout 2
+    address = ("127.0.0.1", int(url.rsplit(":", 1)[1]))
+    before = metric(url, "apps_requests_total", endpoint="/v1/completions", status="408")
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {KEY}\r\nContent-Length: 1000\r\n\r\n"
+    )
+    started = time.monotonic()
+    with socket.create_connection(address, timeout=20) as half, socket.create_connection(address, timeout=20) as short:
+        half.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # never the blank line that ends the head
+        short.sendall(head.encode() + b'{"prompt":')  # 10 of the 1,000 bytes promised
+        answer, closed = until_closed(short), until_closed(half)
+    assert time.monotonic() - started < 8  # both cut off after 2 s, not held
+    assert closed == b""
+    status, _, body = answer.partition(b"\r\n\r\n")
+    assert status.startswith(b"HTTP/1.1 408") and b"connection: close" in status.lower()
+    error = json.loads(body)["error"]
+    assert (error["code"], error["param"], error["type"]) == (408, "body", "timeout")
+    assert metric(url, "apps_requests_total", endpoint="/v1/completions", status="408") == before + 1
+    assert httpx.get(f"{url}/health").json()["status"] == "ok"
+    answer = client(url).completions.create(model="tiny.gguf", prompt="the", max_tokens=2, temperature=0)
+    assert answer.choices[0].finish_reason == "length"
+
+
+def until_closed(connection: socket.socket) -> bytes:
+    """What the server sent on `connection` until it closed it."""
+    received = b""
+    while chunk := connection.recv(65536):
+        received += chunk
+    return received
+
+
 def test_the_key_is_required_everywhere_but_health(server):
     url, _ = server
     assert httpx.get(f"{url}/health").status_code == 200
@@ -384,6 +417,8 @@ def test_serving_beyond_loopback_needs_a_key_and_an_unknown_dtype_is_refused(tmp
     assert result.exit_code == 1 and "give --api-key" in " ".join(result.output.split())
     result = apps("serve", "--model", tiny, "--dtype", "float16")
     assert result.exit_code == 1 and "--dtype float16: expected float32 or bfloat16" in " ".join(result.output.split())
+    result = apps("serve", "--model", tiny, "--read-timeout", "0")
+    assert result.exit_code == 1 and "--read-timeout positive" in " ".join(result.output.split())
 
 
 def test_a_full_queue_is_503_and_sigterm_finishes_the_requests_in_flight_then_exits(tmp_path, tiny):

@@ -28,6 +28,7 @@ class Settings:
     timeout: float = 300.0
     api_key: str | None = None
     allow_unauthenticated: bool = False
+    read_timeout: float = 30.0
 
     def loopback(self) -> bool:
         """Whether the server listens on this machine alone."""
@@ -43,8 +44,11 @@ class Settings:
                 f"--host {self.host} listens beyond this machine: give --api-key (or APPS_API_KEY), or "
                 "--allow-unauthenticated to serve anyone who can reach it."
             )
-        if self.max_batch < 1 or self.queue < 1 or self.timeout <= 0 or self.max_wait_ms < 0:
-            raise UserError("--max-batch and --queue must be at least 1, --timeout positive, --max-wait-ms at least 0.")
+        if self.max_batch < 1 or self.queue < 1 or min(self.timeout, self.read_timeout) <= 0 or self.max_wait_ms < 0:
+            raise UserError(
+                "--max-batch and --queue must be at least 1, --timeout and --read-timeout positive, "
+                "--max-wait-ms at least 0."
+            )
         check_dtype(self.dtype)
 
 
@@ -63,6 +67,7 @@ def serve(
     import uvicorn
 
     from core.serving import server as server_lib
+    from core.serving import timeouts
     from core.serving.models import load
 
     served = load(
@@ -94,7 +99,11 @@ def serve(
     )
     url = f"http://{settings.host}:{settings.port}"
     console.print(f"Serving {', '.join(s.name for s in served)} at {url} ({access}).")
-    config = uvicorn.Config(server.app, host=settings.host, port=settings.port, log_level="warning")
+    # No websockets are served: an upgrade would hand the connection to a protocol without the read clock.
+    http = timeouts.protocol(settings.read_timeout)
+    config = uvicorn.Config(
+        server.app, host=settings.host, port=settings.port, http=http, ws="none", log_level="warning"
+    )
     uvicorn.Server(config).run()
 
 

@@ -22,9 +22,10 @@ to the first token). With `--api-key` (or APPS_API_KEY) every other request need
 ({"error": {"message", "type", "param", "code"}}): 400 for a bad request, naming the field;
 401 without the key; 404 for an unknown model or task; 413 past `--max-body`; 503 with
 Retry-After when the queue is full; 504 past `--timeout`; 500 for a failure inside the model,
-for that request alone. No request value is ever read as a path: inputs are texts and
-sequences (`Task.parse_request`). On SIGTERM uvicorn stops accepting, the requests in flight
-finish, then the engines stop.
+for that request alone; 408 for a body that stops arriving for `--read-timeout` (`timeouts`,
+which closes a connection slow to send a request's head too). No request value is ever read as
+a path: inputs are texts and sequences (`Task.parse_request`). On SIGTERM uvicorn stops
+accepting, the requests in flight finish, then the engines stop.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from core.serving.batcher import Batcher
 from core.serving.completions import Completions
 from core.serving.metrics import Metrics
 from core.serving.models import Served
+from core.serving.timeouts import TIMED_OUT
 from core.task import CompletingFeaturizer, PredictOptionError, predict_option_values
 
 log = logging.getLogger("apps")
@@ -262,7 +264,9 @@ class _Guard:
 
         async def counted(message) -> None:
             if message["type"] == "http.response.start":
-                self.metrics.requests.labels(endpoint, str(message["status"])).inc()
+                # A body that timed out was answered 408 by the protocol (`timeouts`), whatever the route then says.
+                status = 408 if scope.get(TIMED_OUT) else message["status"]
+                self.metrics.requests.labels(endpoint, str(status)).inc()
             await send(message)
 
         try:
