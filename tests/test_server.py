@@ -423,14 +423,10 @@ def test_serving_beyond_loopback_needs_a_key_and_an_unknown_dtype_is_refused(tmp
 
 def test_a_full_queue_is_503_and_sigterm_finishes_the_requests_in_flight_then_exits(tmp_path, tiny):
     with serving(tmp_path, "--model", str(tiny), "--max-batch", "1", "--queue", "4", key=None) as (process, url, log):
-        # Six choices for one slot: five wait, one more than the queue holds.
-        refused = httpx.post(f"{url}/v1/completions", json={"prompt": "the", "max_tokens": 120, "n": 6}, timeout=60)
-        assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
-        assert refused.json()["error"]["type"] == "overloaded"
         result = {}
 
         def long_request():
-            body = {"prompt": "the", "max_tokens": 120, "n": 4, "temperature": 0}
+            body = {"prompt": "the", "max_tokens": 120, "min_tokens": 120, "n": 4, "temperature": 0}
             result["response"] = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
 
         thread = threading.Thread(target=long_request)
@@ -438,6 +434,13 @@ def test_a_full_queue_is_503_and_sigterm_finishes_the_requests_in_flight_then_ex
         while metric(url, "apps_busy_slots", model="tiny.gguf") == 0:
             assert thread.is_alive()
             time.sleep(0.01)
+        # One choice in the slot, three waiting: two more make one more than the queue holds, for now.
+        refused = httpx.post(f"{url}/v1/completions", json={"prompt": "the", "max_tokens": 120, "n": 2}, timeout=60)
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["type"] == "overloaded"
+        # Five could never wait together, however idle the server: no retry would help.
+        never = httpx.post(f"{url}/v1/completions", json={"prompt": "the", "max_tokens": 120, "n": 5}, timeout=60)
+        assert never.status_code == 400 and never.json()["error"]["param"] == "n"
         process.send_signal(signal.SIGTERM)
         # Drained, uvicorn raises the signal again: the process ends as SIGTERM's, as a scheduler expects.
         assert process.wait(120) == -signal.SIGTERM, log.read_text()[-3000:]
