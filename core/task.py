@@ -185,7 +185,8 @@ class CompletingFeaturizer(Featurizer, Protocol):
 
     def prompt(self, example: Example, system: str = "") -> list[int]:
         """The ids a generation continues: a conversation (`messages`) rendered with the chat
-        template (with `system` as its system message if given), or a text."""
+        template (with `system` as its system message if given), or a text. Control tokens
+        typed in a message's content are text unless the example says `content_markers`."""
 
     def continuation(self, prompt: Sequence[int], new: Sequence[int]) -> str:
         """The text that the `new` ids add after `prompt`."""

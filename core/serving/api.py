@@ -125,3 +125,6 @@ class CompletionBody(Sampling):
 
 class ChatBody(Sampling):
     messages: list[Message] = Field(min_length=1)
+    # Ours: read control tokens typed in message content as the template's own (`<|im_end|>`
+    # ending a turn); by default content is text and only the template places them.
+    content_markers: bool = False

@@ -225,7 +225,8 @@ class Server:
             if featurizer.tokenizer.chat_template is None:
                 raise ApiError(400, f"model: {served.name} has no chat template; use /v1/completions.", "model")
             messages = [m.model_dump() for m in body.messages]
-            ids = [featurizer.prompt({"text": messages[-1]["content"], "messages": messages})]
+            example = {"text": messages[-1]["content"], "messages": messages, "content_markers": body.content_markers}
+            ids = [featurizer.prompt(example)]
             return await self.completions.answer(served, body, ids, "chat.completion", client)
 
     def _check(self, request: Request) -> None:

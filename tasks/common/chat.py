@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Sequence
+import re
+from collections.abc import Callable, Sequence
 
 from core.errors import UserError
 
@@ -101,3 +102,25 @@ def render(
         return _compiled(template).render(messages=list(messages), add_generation_prompt=generation_prompt, **special)
     except (jinja2.TemplateError, TypeError, IndexError, KeyError) as error:
         raise UserError(f"The chat template of {where} fails on this conversation: {error}") from None
+
+
+def parts(render: Callable[[Sequence[Message]], str], messages: Sequence[Message]) -> list[tuple[str, bool]]:
+    """The rendered conversation (`render(messages)`) in pieces, each (text, whether a message's
+    content wrote it), found by rendering once more with a mark in place of each content. A
+    template that trims a content (Gemma's) writes it trimmed; one that changes it otherwise
+    gets it as given."""
+    whole = render(messages)
+    marked = render([{**m, "content": f"\ue000{i}\ue001"} for i, m in enumerate(messages)])
+    found, at = [], 0
+    pieces = re.split("\ue000(\\d+)\ue001", marked)
+    for index, piece in enumerate(pieces):
+        if index % 2 == 0:
+            found.append((piece, False))
+            at += len(piece)
+            continue
+        content, after = messages[int(piece)]["content"], pieces[index + 1]
+        ways = (content, content.strip(), content.lstrip(), content.rstrip())
+        written = next((w for w in ways if whole.startswith(w + after, at)), content)
+        found.append((written, True))
+        at += len(written)
+    return [(text, is_content) for text, is_content in found if text]

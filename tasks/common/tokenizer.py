@@ -215,10 +215,28 @@ class PretrainedTokenizer:
         special = {key: self.config[key] for key in ("bos_token", "eos_token", "pad_token") if key in self.config}
         return chat.render(self.chat_template, messages, special, self.where, generation_prompt)
 
-    def chat_ids(self, messages: Sequence[chat.Message]) -> list[int]:
+    def chat_ids(self, messages: Sequence[chat.Message], content_markers: bool = False) -> list[int]:
         """A conversation rendered for the assistant's answer, as ids (the template writes BOS
-        itself where it wants one)."""
-        return self.pieces([self.render_chat(messages)])[0]
+        itself where it wants one). Only the template places control tokens: a message's
+        content is text, so `<|im_end|>` typed in it is spelled out, never read as the end of a
+        turn (as llama-server and vLLM treat content), unless `content_markers`."""
+        parts = chat.parts(self.render_chat, messages)
+        ids, offsets = self.pieces_with_offsets("".join(text for text, _ in parts))
+        bounds = np.cumsum([0, *(len(text) for text, _ in parts)])
+        spans = [(a, b) for (_, is_content), a, b in zip(parts, bounds, bounds[1:]) if is_content]
+        markers = {i for i, token in self.tokenizer.get_added_tokens_decoder().items() if token.special}
+        if content_markers or not any(
+            i in markers and any(a <= start < b for a, b in spans) for i, (start, _) in zip(ids, offsets)
+        ):
+            return ids  # the whole text at once: where pieces meet, a tokenizer may merge across
+        ids = []
+        for text, is_content in parts:
+            self.tokenizer.encode_special_tokens = is_content
+            try:
+                ids += self.pieces([text])[0]
+            finally:
+                self.tokenizer.encode_special_tokens = False
+        return ids
 
 
 def load_tokenizer(directory: Path) -> Tokenizer | PretrainedTokenizer:
