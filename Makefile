@@ -45,10 +45,11 @@ demo: $(STAMP)
 	$(BIN)/apps predict sentiment --workdir runs/demo "Runs small but the fabric is lovely" "Cheap material, it fell apart after one wash"
 
 # The suite's tests run mostly on one core (compiling, waiting on subprocesses): two workers,
-# each taking whole files so that a module's fixtures are built once.
+# each taking whole files so that a module's fixtures are built once, the longest files first
+# (tests/conftest.py).
 JOBS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -m "slow or not slow" -n $(JOBS) --dist loadfile --durations=20
+	$(BIN)/python -m pytest -m "slow or not slow" -n $(JOBS) --dist loadfile --no-loadscope-reorder --durations=20
 
 bench: $(STAMP)
 	$(BIN)/apps bench train

@@ -27,8 +27,7 @@ app = typer.Typer(
 
 TaskArg = Annotated[str, typer.Argument(help="Task name; `apps tasks` lists them.")]
 WorkdirOpt = Annotated[
-    Optional[Path],
-    typer.Option("--workdir", "-w", metavar="DIR", help="Run folder (default: runs/TASK)."),
+    Optional[Path], typer.Option("--workdir", "-w", metavar="DIR", help="Run folder (default: runs/TASK).")
 ]
 DataOpt = Annotated[
     Optional[str],
@@ -193,7 +192,7 @@ def predict(
     """Predict with WORKDIR's best checkpoint (or a pretrained --model).
 
     --format json, jsonl and csv write typed values in full; the table rounds them."""
-    from core.task import switches
+    from core.options import switches
 
     terminal.check_format(form)
     task_type = _task(task)
@@ -220,7 +219,7 @@ class _Streamed:
     before a mistake), then the text as the decode loop produces it."""
 
     def __init__(self, prompt: str, options: dict[str, str]):
-        from core.task import SWITCH_VALUES
+        from core.options import SWITCH_VALUES
 
         self.prompt, self.started = prompt, False
         # A chat's answer starts on a line of its own; a continuation follows its prompt.
@@ -307,6 +306,8 @@ def serve(
     queue: Annotated[int, typer.Option(metavar="N", help="Requests that may wait per model; past it, 503.")] = 256,
     timeout: Annotated[float, typer.Option(metavar="S", help="Seconds a request may take; past it, 504.")] = 300.0,
     read_timeout: Annotated[float, typer.Option(metavar="S", help="Seconds to send a head or each body piece.")] = 30.0,
+    max_inputs: Annotated[int, typer.Option(metavar="N", help="Inputs per predict request; past it, 400.")] = 64,
+    max_audio_seconds: Annotated[float, typer.Option(metavar="S", help="Audio per file; past it, 400.")] = 600.0,
     api_key: Annotated[
         Optional[str],
         typer.Option(envvar="APPS_API_KEY", metavar="KEY", help="Require Authorization: Bearer KEY."),
@@ -318,11 +319,10 @@ def serve(
     """Serve trained runs and pretrained decoders over HTTP.
 
     /v1/TASK/predict for every task; OpenAI's completions and chat for language models."""
+    given = {name: value for name, value in locals().items() if name not in ("workdir", "model")}
     from core.serving import launch
 
-    settings = launch.Settings(
-        host, port, max_batch, max_wait_ms, context, dtype, queue, timeout, api_key, allow_unauthenticated, read_timeout
-    )
+    settings = launch.Settings(**given)
     settings.check()
     terminal.show_task_log()
     import tasks

@@ -19,7 +19,7 @@ from typing import Any
 from core.errors import UserError
 from core.loading import load, load_pretrained
 from core.model.precision import narrowed
-from core.task import predict_option_values
+from core.options import predict_option_values
 from core.training.steps import evaluate_arrays
 
 # The weights a generating task decodes with: float32, or its linear layers' in bfloat16.

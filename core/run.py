@@ -39,8 +39,8 @@ from core.loading import (
     recorded_data,
     saved_config,
 )
+from core.options import predict_option_values
 from core.predict import Predictor, predict
-from core.task import predict_option_values
 from core.training import data as data_lib
 from core.training import host, memory, sharding, transfer
 from core.training.checkpoints import undone_on_failure, write_json

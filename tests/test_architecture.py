@@ -24,7 +24,7 @@ LAYERS = (
     ("core.errors", "core.values"),
     ("core.config", "core.presets"),
     ("core.model",),  # the network: layers, attention, cache, heads, front ends, precision
-    ("core.task", "core.metrics"),  # the contract a task implements
+    ("core.task", "core.options", "core.metrics"),  # the contract a task implements, its predict options
     ("core.checkpoints",),  # pretrained weights in and out: formats and families
     ("core.training",),  # steps, fit and hooks, losses, batching, sharding, run checkpoints
     ("core.generation",),  # sampling, beams, penalties, CTC, the slot engine

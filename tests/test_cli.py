@@ -147,9 +147,9 @@ def test_predictions_are_typed_values_written_in_full(trained, tmp_path):
 
 
 def test_predict_options_are_checked_in_one_place(trained):
-    """Python, HTTP and the command line share `core.task.predict_option_values`: an unknown
+    """Python, HTTP and the command line share `core.options.predict_option_values`: an unknown
     option or a value of another type is named, before the run loads."""
-    from core.task import PredictOptionError, predict_option_values
+    from core.options import PredictOptionError, predict_option_values
 
     lm = tasks.get("lm")
     assert predict_option_values(lm, {"--max-new-tokens": "5", "--chat": "yes"}, command_line=True)["chat"] is True

@@ -17,7 +17,7 @@ from helpers import apps
 import tasks
 from core import run
 from core.generation.beam import beam_search, gnmt_penalty
-from core.task import predict_option_values
+from core.options import predict_option_values
 from core.training.steps import build_model
 from tasks.nlp import encoder_decoder, freedict
 from tasks.nlp.decoding import minimum_bayes_risk

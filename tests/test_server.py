@@ -343,6 +343,12 @@ def test_predict_batches_concurrent_requests_into_one_call(server):
         # More generations than the queue holds could never be served: not a 503 to retry.
         ("/v1/completions", {"prompt": ["a"] * 257}, 400, "prompt"),
         ("/v1/completions", {"prompt": ["a"] * 20, "n": 16}, 400, "n"),
+        # Limits a deployment sets: inputs per request, positions per generation (the tiny
+        # model's 128); a task's own check of an option named as the request names it.
+        ("/v1/sentiment/predict", {"inputs": ["fine"] * 65}, 400, "inputs"),
+        ("/v1/sentiment/predict", {"inputs": ["fine", "  "]}, 400, "inputs.1"),
+        ("/v1/lm/predict", {"inputs": ["the"], "options": {"max_new_tokens": 500}}, 400, "inputs.0"),
+        ("/v1/lm/predict", {"inputs": ["the"], "options": {"beams": 0}}, 400, "options.beams"),
         # Starlette's own refusals, in the same shape.
         ("/v1/nothing", {}, 404, None),
         ("/v1/models", {}, 405, None),
@@ -504,7 +510,14 @@ def test_every_task_predicts_over_http_what_apps_predict_prints(tmp_path):
         workdir = tmp_path / name
         run.train(tasks.get(name), workdir=workdir, preset="tiny", data="synthetic", overrides=["train.steps=4"])
         workdirs += ["--workdir", str(workdir)]
-    with serving(tmp_path, *workdirs) as (_, url, _):
+    with serving(tmp_path, *workdirs, "--max-audio-seconds", "1") as (_, url, _):
+        long_clip = {"inputs": [wav_base64(np.concatenate([clip] * 3))]}  # 1.5 s
+        refused = httpx.post(f"{url}/v1/speech/predict", json=long_clip, headers=auth(), timeout=60)
+        assert refused.status_code == 400
+        assert "input 1: 1.5 s of audio, more than the 1 s a file may last here" in refused.json()["error"]["message"]
+        garbage = {"inputs": [base64.b64encode(b"not audio at all").decode()]}
+        refused = httpx.post(f"{url}/v1/speech/predict", json=garbage, headers=auth(), timeout=60)
+        assert refused.status_code == 400 and "Format not recognised" in refused.text and "0x" not in refused.text
         for name, inputs in given.items():
             options = {"max_new_tokens": 8} if name == "lm" else {}  # the tiny lm has 32 positions
             expected = run.Predictor(tasks.get(name), tmp_path / name).predict(inputs, **options)

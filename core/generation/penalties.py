@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from core.errors import UserError
-from core.task import PredictOption
+from core.options import PredictOption
 
 
 def options(no_repeat_ngram: int = 0, word_reward: float = 0.0) -> tuple[PredictOption, ...]:

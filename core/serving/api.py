@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from core.errors import UserError
+from core.options import PredictOptionError
 
 log = logging.getLogger("apps")
 
@@ -42,6 +43,8 @@ async def within(awaitable, timeout: float):
         raise ApiError(
             504, f"The request took longer than the server's {timeout:g} s timeout.", kind="timeout"
         ) from None
+    except PredictOptionError as error:  # the task's own check of an option, named as the request names it
+        raise ApiError(400, f"options.{error.name}: {error.detail}", f"options.{error.name}") from None
     except UserError as error:
         raise ApiError(400, str(error)) from None
     except ApiError:

@@ -11,6 +11,7 @@ from pathlib import Path
 from rich.console import Console
 
 from core.errors import UserError
+from core.options import RequestLimits
 from core.predict import check_dtype
 
 
@@ -29,6 +30,8 @@ class Settings:
     api_key: str | None = None
     allow_unauthenticated: bool = False
     read_timeout: float = 30.0
+    max_inputs: int = 64
+    max_audio_seconds: float = 600.0
 
     def loopback(self) -> bool:
         """Whether the server listens on this machine alone."""
@@ -44,10 +47,11 @@ class Settings:
                 f"--host {self.host} listens beyond this machine: give --api-key (or APPS_API_KEY), or "
                 "--allow-unauthenticated to serve anyone who can reach it."
             )
-        if self.max_batch < 1 or self.queue < 1 or min(self.timeout, self.read_timeout) <= 0 or self.max_wait_ms < 0:
+        least_one = min(self.max_batch, self.queue, self.max_inputs)
+        if least_one < 1 or min(self.timeout, self.read_timeout, self.max_audio_seconds) <= 0 or self.max_wait_ms < 0:
             raise UserError(
-                "--max-batch and --queue must be at least 1, --timeout and --read-timeout positive, "
-                "--max-wait-ms at least 0."
+                "--max-batch, --queue and --max-inputs must be at least 1, --timeout, --read-timeout and "
+                "--max-audio-seconds positive, --max-wait-ms at least 0."
             )
         check_dtype(self.dtype)
 
@@ -89,6 +93,7 @@ def serve(
         max_wait_ms=settings.max_wait_ms,
         queue_size=settings.queue,
         timeout_s=settings.timeout,
+        limits=RequestLimits(settings.max_inputs, settings.max_audio_seconds),
     )
     access = (
         "a key is required"

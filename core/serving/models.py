@@ -17,6 +17,7 @@ import numpy as np
 
 from core.errors import UserError
 from core.generation.slots import Engine
+from core.serving.api import ApiError
 from core.serving.batcher import Batcher
 
 
@@ -38,6 +39,20 @@ class Served:
     def waiting(self) -> int:
         """Requests waiting for its predict worker or for a generation slot."""
         return self.batcher.waiting() + (self.engine.waiting.qsize() if self.engine is not None else 0)
+
+    def check_room(self, examples: list[dict], values: dict[str, Any]) -> None:
+        """Each prompt of a decoder's predict request and its new tokens within the positions
+        the server gives a generation (`--context`), as the completions endpoints keep them."""
+        context, new = self.engine.context, values["max_new_tokens"]
+        for index, example in enumerate(examples):
+            length = len(self.predictor.featurizer.prompt(example, values.get("system", "")))
+            if length + new > context:
+                raise ApiError(
+                    400,
+                    f"inputs.{index}: {length} prompt tokens and max_new_tokens {new} take more than the {context} "
+                    "positions this server gives a generation.",
+                    f"inputs.{index}",
+                )
 
     def rows(self, groups: list[list[dict]], values: dict[str, Any]) -> list[list[dict]]:
         """Each request's rows, its examples run with every other request's in one call. The

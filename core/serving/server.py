@@ -43,13 +43,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from core.errors import UserError
+from core.options import PredictOptionError, RequestLimits, predict_option_values
 from core.serving.api import ApiError, ChatBody, CompletionBody, PredictBody, within
 from core.serving.batcher import Batcher
 from core.serving.completions import Completions
 from core.serving.metrics import Metrics
 from core.serving.models import Served
 from core.serving.timeouts import TIMED_OUT
-from core.task import CompletingFeaturizer, PredictOptionError, predict_option_values
+from core.task import CompletingFeaturizer
 
 log = logging.getLogger("apps")
 
@@ -70,6 +71,7 @@ class Server:
         queue_size: int = 256,
         timeout_s: float = 300.0,
         max_body: int = 4 * 1024 * 1024,
+        limits: RequestLimits = RequestLimits(),
     ):
         if not served:
             raise UserError("Nothing to serve: give --workdir DIR (repeatable) or --model NAME.")
@@ -79,7 +81,7 @@ class Server:
                 f"Two served models share a name: {', '.join(names)}; give their runs distinct folder names."
             )
         self.served = {s.name: s for s in served}
-        self.api_key, self.timeout, self.max_body = api_key, timeout_s, max_body
+        self.api_key, self.timeout, self.max_body, self.limits = api_key, timeout_s, max_body, limits
         self.metrics = Metrics()
         self.completions = Completions(self.metrics, timeout_s)
         for item in served:
@@ -202,10 +204,13 @@ class Server:
             except PredictOptionError as error:
                 where = f"options.{error.name}"
                 raise ApiError(400, f"{where}: {error.detail}", where) from None
+            self._check_inputs(body.inputs)
             try:  # off the event loop: audio is decoded and resampled here
-                examples = await asyncio.to_thread(served.task.parse_request, body.inputs, values)
+                examples = await asyncio.to_thread(served.task.parse_request, body.inputs, values, self.limits)
             except UserError as error:
                 raise ApiError(400, str(error), "inputs") from None
+            if served.engine is not None:  # a decoder: each prompt and its new tokens within the context
+                served.check_room(examples, values)
             rows = await within(served.batcher.predict(examples, values), self.timeout)
             return {"model": served.name, "task": served.task.name, "predictions": rows}
 
@@ -228,6 +233,17 @@ class Server:
             example = {"text": messages[-1]["content"], "messages": messages, "content_markers": body.content_markers}
             ids = [featurizer.prompt(example)]
             return await self.completions.answer(served, body, ids, "chat.completion", client)
+
+    def _check_inputs(self, inputs: list[str]) -> None:
+        if len(inputs) > self.limits.inputs:
+            raise ApiError(
+                400,
+                f"inputs: {len(inputs)} inputs, more than the {self.limits.inputs} a request may hold here.",
+                "inputs",
+            )
+        blank = next((i for i, text in enumerate(inputs) if not text.strip()), None)
+        if blank is not None:
+            raise ApiError(400, f"inputs.{blank}: an empty input; give text (or an upload) in each.", f"inputs.{blank}")
 
     def _check(self, request: Request) -> None:
         """The key (all but /health) and the body's size, before the body is read."""

@@ -18,7 +18,7 @@ from rich.console import Console
 
 from core.bench.timing import figures, timed_steps
 from core.errors import UserError
-from core.task import predict_option_values
+from core.options import predict_option_values
 from core.training import data as data_lib
 from core.training import sharding
 from core.training.steps import build_model, make_steps

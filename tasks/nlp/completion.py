@@ -36,7 +36,7 @@ from core.errors import UserError
 from core.generation import penalties
 from core.model.heads import TiedOutput, TokenEmbedder
 from core.model.transformer import Model, Transformer
-from core.task import predict_option_values
+from core.options import predict_option_values
 from core.training.data import decoding_batches
 from tasks.common.tokenizer import PretrainedTokenizer, Tokenizer, load_tokenizer
 from tasks.nlp import instructions

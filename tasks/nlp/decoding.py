@@ -10,7 +10,7 @@ import numpy as np
 import sacrebleu
 
 from core.generation import penalties
-from core.task import PredictOption
+from core.options import PredictOption
 
 
 def decoding_options() -> tuple[PredictOption, ...]:

@@ -38,9 +38,10 @@ from core.errors import UserError
 from core.generation import penalties
 from core.generation.detokenize import TextStream
 from core.model.heads import Projection, TiedOutput, TokenEmbedder
+from core.options import PredictOption, PredictOptionError
 from core.presets import modern_blocks, tiny_preset
 from core.run import Predictor
-from core.task import PredictOption, Task, final, scored_positions
+from core.task import Task, final, scored_positions
 from core.training import losses
 from tasks.common import chat
 from tasks.common.tokenizer import PretrainedTokenizer, Tokenizer, load_tokenizer
@@ -259,7 +260,11 @@ class LMTask(Task):
         from core.generation import generate as generation
 
         if options["beams"] < 1:
-            raise UserError(f"--beams {options['beams']}: must be at least 1 (1 samples, more search).")
+            raise PredictOptionError(
+                f"--beams {options['beams']}: must be at least 1 (1 samples, more search).",
+                "beams",
+                "must be at least 1.",
+            )
         if options["system"] and not options["chat"]:
             raise UserError("--system is the system message of a chat: give --chat too.")
         prompts = [featurizer.prompt(example, options["system"]) for example in examples]

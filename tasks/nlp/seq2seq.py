@@ -38,7 +38,8 @@ from core.errors import UserError
 from core.model.encoder_decoder import EncoderDecoder
 from core.model.heads import CopyProjection, Projection
 from core.model.transformer import Model
-from core.task import PredictOption, Task, scored_positions
+from core.options import PredictOption, PredictOptionError
+from core.task import Task, scored_positions
 from core.training import losses
 from tasks.nlp.completion import SOURCE, CompletionFeaturizer, DecoderOnlyRoute
 from tasks.nlp.decoding import decoding_options, minimum_bayes_risk
@@ -232,7 +233,11 @@ class Seq2SeqTask(Task):
         """Each source's target text: beam search, greedy or sampled decoding with --beams 1, or
         minimum Bayes risk over all three with --mbr."""
         if options["beams"] < 1:
-            raise UserError(f"--beams {options['beams']}: must be at least 1 (1 is greedy, more search).")
+            raise PredictOptionError(
+                f"--beams {options['beams']}: must be at least 1 (1 is greedy, more search).",
+                "beams",
+                "must be at least 1.",
+            )
         if options["mbr"] < 0:
             raise UserError(f"--mbr {options['mbr']}: must be at least 0 (0 is off).")
         sources = self.route.sources(featurizer, examples)

@@ -25,6 +25,7 @@ from flax import nnx
 from core.config import Config, DataConfig, ModelConfig, OptimConfig, TrainConfig, require
 from core.errors import UserError
 from core.model.heads import TokenEmbedder
+from core.options import RequestLimits
 from core.presets import modern_blocks, tiny_preset
 from core.task import Task
 from tasks.common.families import class_ids
@@ -279,7 +280,9 @@ class ProteinTask(Task):
         of sequence files."""
         return self.input_records(lines, files=True)
 
-    def parse_request(self, inputs: Sequence[str], options: dict) -> list[dict]:
+    def parse_request(
+        self, inputs: Sequence[str], options: dict, limits: RequestLimits = RequestLimits()
+    ) -> list[dict]:
         """Sequences as text or FASTA text: a server never opens a path a request names."""
         return self.input_records(inputs, files=False)
 

@@ -27,9 +27,10 @@ from core import metrics as metric_lib
 from core.config import Config, ModelConfig, OptimConfig, TrainConfig
 from core.errors import UserError
 from core.model.heads import Projection, TiedOutput, TokenEmbedder
+from core.options import PredictOption
 from core.presets import tiny_body, tiny_preset
 from core.run import Predictor
-from core.task import PredictOption, Task, final
+from core.task import Task, final
 from core.training import losses
 from tasks.recsys import data as rec_data
 from tasks.recsys.featurizer import MASK, PAD, ItemFeaturizer, RecsysData

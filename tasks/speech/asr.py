@@ -35,9 +35,10 @@ from flax import nnx
 from core.config import Config, DataConfig, ModelConfig, OptimConfig, TrainConfig, require
 from core.errors import UserError
 from core.model.heads import Projection
+from core.options import PredictOption, RequestLimits
 from core.presets import tiny_body, tiny_preset
 from core.run import Predictor
-from core.task import PredictOption, Task, final
+from core.task import Task, final
 from tasks.speech import audio, corpus
 from tasks.speech.ctc import CTCOutputs, CTCRoute
 from tasks.speech.featurizer import SpeechFeaturizer
@@ -302,9 +303,12 @@ class SpeechTask(Task):
             raise UserError("apps predict speech needs at least one audio file (as arguments or on stdin).")
         return [{"id": None, "audio": None, "path": path, "text": "", "voice": None} for path in paths]
 
-    def parse_request(self, inputs: Sequence[str], options: dict) -> list[dict]:
+    def parse_request(
+        self, inputs: Sequence[str], options: dict, limits: RequestLimits = RequestLimits()
+    ) -> list[dict]:
         """Audio files' bytes in base64 (or as data URLs, "data:audio/wav;base64,..."), decoded in
-        memory: a server never opens a path a request names."""
+        memory: a server never opens a path a request names. A file longer than the server's
+        limit is refused from its header, before it is decoded."""
         examples = []
         for number, text in enumerate(inputs, 1):
             where = f"input {number}"
@@ -312,7 +316,7 @@ class SpeechTask(Task):
                 data = base64.b64decode(text.split(",", 1)[1] if text.startswith("data:") else text, validate=True)
             except (ValueError, IndexError):
                 raise UserError(f"{where}: not base64; send each audio file's bytes base64-encoded.") from None
-            samples = audio.decode_audio(data, where, silence_allowed=True)
+            samples = audio.decode_audio(data, where, silence_allowed=True, max_seconds=limits.audio_seconds)
             examples.append({"id": None, "audio": samples, "path": where, "where": where, "text": "", "voice": None})
         return examples
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import io
 import logging
+import re
 from pathlib import Path
 
 import numpy as np
@@ -39,8 +40,11 @@ def load_audio(path: str | Path, silence_allowed: bool = False) -> np.ndarray:
     return decode_audio(path.read_bytes(), str(path), silence_allowed)
 
 
-def decode_audio(data: bytes, where: str, silence_allowed: bool = False) -> np.ndarray:
-    """`load_audio` of a file's bytes (an upload to `apps serve`); `where` names it in errors."""
+def decode_audio(
+    data: bytes, where: str, silence_allowed: bool = False, max_seconds: float | None = None
+) -> np.ndarray:
+    """`load_audio` of a file's bytes (an upload to `apps serve`); `where` names it in errors.
+    A file whose header says it lasts more than `max_seconds` is refused before decoding."""
     import librosa
     import soundfile
 
@@ -48,10 +52,17 @@ def decode_audio(data: bytes, where: str, silence_allowed: bool = False) -> np.n
         raise UserError(f"{where}: the file is empty.")
     try:
         info = soundfile.info(io.BytesIO(data))
+        if max_seconds is not None and info.duration > max_seconds:
+            raise UserError(
+                f"{where}: {info.duration:.1f} s of audio, more than the {max_seconds:g} s a file may last here."
+            )
         samples, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
     except (soundfile.LibsndfileError, RuntimeError, TypeError) as error:
+        # libsndfile names the file object it was given ("<_io.BytesIO object at 0x...>"): say what
+        # it found, not where in memory.
+        found = re.sub(r"^Error opening <[^>]*>: ", "", str(error))
         raise UserError(
-            f"{where}: not a readable audio file ({error}); expected {', '.join(FORMATS)} (or another format "
+            f"{where}: not a readable audio file ({found}); expected {', '.join(FORMATS)} (or another format "
             "libsndfile reads)."
         ) from None
     if len(samples) < info.frames or "should be" in info.extra_info.lower():
