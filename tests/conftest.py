@@ -15,9 +15,10 @@ import tempfile
 # The suite's programs are small and most run a few times: LLVM's optimizations (level 0 here)
 # cost a fifth of a compile-bound file's time (tests/test_generate.py and test_attention.py:
 # 141 s, 114 s without) and give nothing back at these sizes.
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
-)
+flags = os.environ.get("XLA_FLAGS", "")
+if "xla_backend_optimization_level" not in flags:  # unless the caller chose one
+    flags += " --xla_backend_optimization_level=0"
+os.environ["XLA_FLAGS"] = flags + " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache for the session, which the subprocesses the tests start share
 # through the environment: a program compiled once (in this process, before a module's caches

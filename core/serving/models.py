@@ -95,9 +95,22 @@ def load(
         predictor = run.Predictor(task_named(name), workdir)
         served.append(Served(served_name(workdir=workdir), predictor, _engine(predictor, slots, context, queue, dtype)))
     for model in models:
+        _check_decoder(model)
         predictor = run.Predictor(decoder_task, model=model)
         served.append(Served(served_name(model=model), predictor, _engine(predictor, slots, context, queue, dtype)))
     return served
+
+
+def _check_decoder(model: str) -> None:
+    """`model` names a decoder, a shipped one or a file or folder (whose family says)."""
+    from core.checkpoints import pretrained
+
+    decoders = pretrained.decoders()
+    if model.lower() not in decoders and not Path(model).exists():
+        raise UserError(
+            f"--model {model}: not a decoder this server runs. Shipped decoders: {', '.join(decoders)}; or the path "
+            "of a decoder's Hugging Face folder or .gguf file. (Serve a run of another task with --workdir.)"
+        )
 
 
 def served_name(*, model: str | None = None, workdir: str | Path | None = None) -> str:

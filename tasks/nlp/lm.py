@@ -157,7 +157,12 @@ class LMTask(Task):
 
     def __post_init__(self):
         if not self.config.model.causal:
-            raise UserError("The lm task needs a causal decoder: --set model.causal=True.")
+            pretrained = self.config.model.pretrained
+            raise UserError(
+                f"{pretrained} is not a decoder (a causal language model), which the lm task runs."
+                if pretrained
+                else "The lm task needs a causal decoder: --set model.causal=True."
+            )
 
     def examples(self, split: str) -> list[dict]:
         if instructions.is_instruction_table(self.data):
