@@ -47,7 +47,7 @@ demo: $(STAMP)
 # The suite's tests run mostly on one core (compiling, waiting on subprocesses): two workers,
 # each taking whole files so that a module's fixtures are built once, the longest files first
 # (tests/conftest.py).
-JOBS ?= 3
+JOBS ?= 2
 test: $(STAMP)
 	$(BIN)/python -m pytest -m "slow or not slow" -n $(JOBS) --dist loadfile --no-loadscope-reorder --durations=20
 

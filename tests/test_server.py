@@ -147,6 +147,38 @@ def test_the_openai_client_completes_chats_and_streams_what_the_model_gives_in_p
     assert started in log.read_text()
 
 
+def test_what_current_clients_send(server):
+    """Content as a list of text parts, the developer role, max_completion_tokens and a model
+    looked up by id: each means what its older form means."""
+    url, _ = server
+    ask = dict(model="tiny.gguf", max_tokens=6, temperature=0)
+    older = [{"role": "system", "content": "Be brief.\nAlways."}, {"role": "user", "content": "hi there"}]
+    newer = [
+        {"role": "developer", "content": [{"type": "text", "text": "Be brief."}, {"type": "text", "text": "Always."}]},
+        {"role": "user", "content": [{"type": "text", "text": "hi there"}]},
+    ]
+    said = [client(url).chat.completions.create(messages=m, **ask).choices[0].message.content for m in (older, newer)]
+    assert said[0] == said[1]
+    fixed = dict(model="tiny.gguf", messages=older, temperature=0, extra_body={"min_tokens": 5})
+    answer = client(url).chat.completions.create(**fixed, max_completion_tokens=5)
+    assert answer.usage.completion_tokens == 5 and answer.choices[0].finish_reason == "length"
+    assert client(url).models.retrieve("tiny.gguf").id == "tiny.gguf"
+    with pytest.raises(openai.NotFoundError):
+        client(url).models.retrieve("gpt-9")
+    refused = [
+        ({"prompt": "a", "max_tokens": 4, "max_completion_tokens": 4}, "/v1/completions", "max_completion_tokens"),
+        ({"prompt": "a", "max_completion_tokens": 500}, "/v1/completions", "max_completion_tokens"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "/v1/chat/completions",
+            "messages.0.content.0.type",
+        ),
+    ]
+    for body, path, param in refused:
+        response = httpx.post(f"{url}{path}", json=body, headers=auth())
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+
+
 def test_a_stop_sequence_and_seeded_sampling(server):
     url, _ = server
     whole = client(url).completions.create(model="tiny.gguf", prompt="a b c", max_tokens=10, temperature=0).choices[0]

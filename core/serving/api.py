@@ -91,9 +91,23 @@ class PredictBody(Strict):
     model: Text | None = None
 
 
+class TextPart(Strict):
+    type: Literal["text"]
+    text: Text
+
+
 class Message(Strict):
-    role: Literal["system", "user", "assistant"]
-    content: Text
+    """A chat message as current clients send it: its content a text or a list of text parts
+    (joined by newlines, as vLLM joins them), and `developer` the system role under its newer
+    name (OpenAI's)."""
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Text | list[TextPart]
+
+    def plain(self) -> dict[str, str]:
+        """The message as a chat template reads it: {"role", "content"} with one text."""
+        content = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": content}
 
 
 class StreamOptions(Strict):
@@ -103,6 +117,7 @@ class StreamOptions(Strict):
 class Sampling(Strict):
     model: Text | None = None
     max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)  # what current clients send instead
     temperature: float = Field(default=1.0, ge=0, le=2)
     top_p: float = Field(default=1.0, gt=0, le=1)
     n: int = Field(default=1, ge=1, le=16)
@@ -114,6 +129,12 @@ class Sampling(Strict):
     min_tokens: int = Field(default=0, ge=0)
     user: Text | None = None
     stream_options: StreamOptions | None = None
+
+    def new_tokens(self) -> int | None:
+        """The most new tokens asked, by either name (None: the endpoint's default)."""
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise ApiError(400, "max_completion_tokens: give it or max_tokens, not both.", "max_completion_tokens")
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def stops(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

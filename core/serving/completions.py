@@ -151,16 +151,18 @@ def _max_new_tokens(context: int, body: Sampling, prompts: list[list[int]], kind
     """The request's max_tokens, checked against the room its longest prompt leaves in a slot
     (OpenAI's default: 16 for a completion, the rest of the context for a chat)."""
     room = context - max(len(p) for p in prompts)
-    max_new = body.max_tokens if body.max_tokens is not None else min(room, 16 if kind == "text_completion" else room)
+    asked = body.new_tokens()
+    name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    max_new = asked if asked is not None else min(room, 16 if kind == "text_completion" else room)
     if room < 1 or max_new > room:
         raise ApiError(
             400,
-            f"max_tokens: the prompt takes {context - room} of the {context} positions of the "
+            f"{name}: the prompt takes {context - room} of the {context} positions of the "
             f"context, which leaves {max(room, 0)} for new tokens.",
-            "max_tokens",
+            name,
         )
     if body.min_tokens > max_new:
-        raise ApiError(400, f"min_tokens: {body.min_tokens} is more than max_tokens ({max_new}).", "min_tokens")
+        raise ApiError(400, f"min_tokens: {body.min_tokens} is more than {name} ({max_new}).", "min_tokens")
     return max_new
 
 

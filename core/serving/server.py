@@ -19,8 +19,9 @@ works against it unchanged.
 (requests by endpoint and status, latencies, batch sizes, queue depth, tokens generated, time
 to the first token). With `--api-key` (or APPS_API_KEY) every other request needs
 `Authorization: Bearer KEY`, compared in constant time. Errors are OpenAI-shaped JSON
-({"error": {"message", "type", "param", "code"}}): 400 for a bad request, naming the field;
-401 without the key; 404 for an unknown model or task; 413 past `--max-body`; 503 with
+({"error": {"message", "type", "param", "code"}}): 400 for a bad request, naming the field
+(past a deployment's `RequestLimits` too); 401 without the key; 404 for an unknown model, task
+or route; 405; 413 past `--max-body`; 499 (in the metrics) for a client gone; 503 with
 Retry-After when the queue is full; 504 past `--timeout`; 500 for a failure inside the model,
 for that request alone; 408 for a body that stops arriving for `--read-timeout` (`timeouts`,
 which closes a connection slow to send a request's head too). No request value is ever read as
@@ -55,7 +56,12 @@ from core.task import CompletingFeaturizer
 log = logging.getLogger("apps")
 
 ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
-PREDICT = re.compile(r"/v1/[a-z0-9-]+/predict")
+# The metrics' label of a path with a name in it: a label per route, not per path, so that a
+# client's stray URLs do not grow the metrics.
+ROUTES = (
+    (re.compile(r"/v1/[a-z0-9-]+/predict"), "/v1/{task}/predict"),
+    (re.compile(r"/v1/models/[^/]+"), "/v1/models/{id}"),
+)
 
 
 class Server:
@@ -188,13 +194,22 @@ class Server:
         async def prometheus():
             return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+        def described(name: str) -> dict:
+            return {
+                "id": name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "apps",
+                "task": self.served[name].task.name,
+            }
+
         @app.get("/v1/models")
         async def models():
-            data = [
-                {"id": name, "object": "model", "created": 0, "owned_by": "apps", "task": s.task.name}
-                for name, s in self.served.items()
-            ]
-            return {"object": "list", "data": data}
+            return {"object": "list", "data": [described(name) for name in self.served]}
+
+        @app.get("/v1/models/{name}")
+        async def model(name: str):
+            return described(self.model(name).name)
 
         @app.post("/v1/{task}/predict")
         async def predict(task: str, body: PredictBody):
@@ -229,7 +244,7 @@ class Server:
             featurizer: CompletingFeaturizer = served.predictor.featurizer
             if featurizer.tokenizer.chat_template is None:
                 raise ApiError(400, f"model: {served.name} has no chat template; use /v1/completions.", "model")
-            messages = [m.model_dump() for m in body.messages]
+            messages = [m.plain() for m in body.messages]
             example = {"text": messages[-1]["content"], "messages": messages, "content_markers": body.content_markers}
             ids = [featurizer.prompt(example)]
             return await self.completions.answer(served, body, ids, "chat.completion", client)
@@ -275,8 +290,7 @@ class _Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope["path"]
-        # A label per route, not per path: a client's stray URLs must not grow the metrics.
-        endpoint = path if path in ENDPOINTS else "/v1/{task}/predict" if PREDICT.fullmatch(path) else "other"
+        endpoint = path if path in ENDPOINTS else next((r for p, r in ROUTES if p.fullmatch(path)), "other")
         started = time.perf_counter()
 
         async def counted(message) -> None:
