@@ -29,6 +29,7 @@ from tiny_gguf import write_tiny_gguf
 import tasks
 from core import run
 from core.serving import load as serve_bench
+from tasks.common.tokenizer import PretrainedTokenizer
 from tasks.nlp.lm import LanguageModel
 from tasks.protein.classify import ProteinClassTask
 
@@ -147,10 +148,18 @@ def test_the_openai_client_completes_chats_and_streams_what_the_model_gives_in_p
     assert started in log.read_text()
 
 
-def test_what_current_clients_send(server):
-    """Content as a list of text parts, the developer role, max_completion_tokens and a model
-    looked up by id: each means what its older form means."""
+def test_what_current_clients_send(server, tiny):
+    """Content as a list of text parts, the developer role, max_completion_tokens, a model
+    looked up by id and prompts as token ids: each means what its older form means."""
     url, _ = server
+    tokenizer = PretrainedTokenizer.from_checkpoint(str(tiny))
+    ids = [tokenizer.start_id, *tokenizer.pieces(["the"])[0]]
+    texts = [
+        c.text
+        for prompt in ("the", ids, [ids, ids])
+        for c in client(url).completions.create(model="tiny.gguf", prompt=prompt, max_tokens=6, temperature=0).choices
+    ]
+    assert len(texts) == 4 and len(set(texts)) == 1
     ask = dict(model="tiny.gguf", max_tokens=6, temperature=0)
     older = [{"role": "system", "content": "Be brief.\nAlways."}, {"role": "user", "content": "hi there"}]
     newer = [
@@ -168,6 +177,8 @@ def test_what_current_clients_send(server):
     refused = [
         ({"prompt": "a", "max_tokens": 4, "max_completion_tokens": 4}, "/v1/completions", "max_completion_tokens"),
         ({"prompt": "a", "max_completion_tokens": 500}, "/v1/completions", "max_completion_tokens"),
+        ({"prompt": [1, 10**6]}, "/v1/completions", "prompt"),
+        ({"prompt": [[1], [-1]]}, "/v1/completions", "prompt.1"),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
             "/v1/chat/completions",

@@ -115,6 +115,7 @@ class Engine:
         # The cache holds the activations the embedder gives the body, in their dtype (as `prefill`'s).
         probe = jnp.zeros((1, 1), jnp.int32), jnp.ones((1, 1), bool)
         cache_dtype = jax.eval_shape(lambda: model.embedder(*probe)[0]).dtype
+        self.vocab_size = jax.eval_shape(lambda: logits_of(model, model.embedder(*probe)[0])).shape[-1]
         self.cache = jax.device_put(model.body.init_cache(slots, self.context, cache_dtype), device)
         self.waiting: queue.Queue[Request] = queue.Queue(maxsize=queue_size)
         self.active: list[Request | None] = [None] * slots

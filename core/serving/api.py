@@ -144,7 +144,8 @@ class Sampling(Strict):
 
 
 class CompletionBody(Sampling):
-    prompt: Text | list[Text]
+    # A text, texts, or prompts already tokenized (ids, lists of ids), as OpenAI's API takes them.
+    prompt: Text | list[Text] | list[int] | list[list[int]]
 
 
 class ChatBody(Sampling):

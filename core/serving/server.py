@@ -143,6 +143,7 @@ class Server:
     def _routes(self) -> None:
         self._guards()
         self._endpoints()
+        self._completion_endpoints()
 
     def _guards(self) -> None:
         """The key and size checks and the metrics of every request, and errors as OpenAI's."""
@@ -229,14 +230,16 @@ class Server:
             rows = await within(served.batcher.predict(examples, values), self.timeout)
             return {"model": served.name, "task": served.task.name, "predictions": rows}
 
+    def _completion_endpoints(self) -> None:
+        """OpenAI's completions and chat completions, for the language models."""
+        app = self.app
+
         @app.post("/v1/completions")
         async def completions(body: CompletionBody, client: Request):
             served = self.model(body.model, generates=True)
-            prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
-            if not prompts or any(not p for p in prompts):
-                raise ApiError(400, "prompt: give a non-empty text (or a list of them).", "prompt")
-            ids = [served.predictor.featurizer.prompt({"text": p}) for p in prompts]
-            return await self.completions.answer(served, body, ids, "text_completion", client)
+            return await self.completions.answer(
+                served, body, _prompt_ids(served, body.prompt), "text_completion", client
+            )
 
         @app.post("/v1/chat/completions")
         async def chat(body: ChatBody, client: Request):
@@ -275,6 +278,22 @@ class Server:
             raise ApiError(411, "Send the body with a Content-Length header.", "body")
         if length is not None and (not length.isdigit() or int(length) > self.max_body):
             raise ApiError(413, f"The body is larger than the {self.max_body} bytes this server takes.", "body")
+
+
+def _prompt_ids(served: Served, prompt) -> list[list[int]]:
+    """A completion request's prompts as ids: texts tokenized as documents begin (after the
+    start id), ids taken as given, each id within the vocabulary."""
+    prompts = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else prompt
+    if not prompts or any(not p for p in prompts):
+        raise ApiError(400, "prompt: give a non-empty text or list of ids (or a list of them).", "prompt")
+    if isinstance(prompts[0], str):
+        return [served.predictor.featurizer.prompt({"text": p}) for p in prompts]
+    vocabulary = served.engine.vocab_size
+    for index, ids in enumerate(prompts):
+        if not all(0 <= i < vocabulary for i in ids):
+            where = "prompt" if prompts is not prompt else f"prompt.{index}"
+            raise ApiError(400, f"{where}: token ids are from 0 to {vocabulary - 1} for this model.", where)
+    return [list(ids) for ids in prompts]
 
 
 class _Guard:
