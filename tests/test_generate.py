@@ -1,6 +1,12 @@
 """Generation: cached decoding equals the full forward pass, and the engine's choices are exact
 (greedy, top-k, top-p, seeds, stop tokens, batching, streaming, beam search)."""
 
+import asyncio
+import functools
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,12 +16,15 @@ from helpers import TINY_BODY
 
 from core.config import ModelConfig
 from core.errors import UserError
+from core.generation import abandon
 from core.generation.beam import beam_search, gnmt_penalty
 from core.generation.generate import extend, generate, generate_beams, prefill
 from core.generation.penalties import repeats
 from core.generation.sampling import Sampling, beam_settings, filter_logits, sample
 from core.model.heads import TiedOutput, TokenEmbedder
 from core.model.transformer import Model, Transformer
+from core.serving.batcher import Batcher
+from core.serving.metrics import Metrics
 
 VOCAB = 50
 PROMPTS = [[3, 14, 15], [9, 2, 6, 5, 35, 8, 9], [27]]
@@ -190,6 +199,50 @@ def test_rows_stop_at_their_first_stop_token_and_the_loop_ends(model):
     tokens, active = (np.stack(x, 1) for x in zip(*streamed))
     np.testing.assert_array_equal(active.sum(1), result.lengths)
     np.testing.assert_array_equal(np.where(active, tokens, 0), result.tokens[:, : len(streamed)])
+
+
+def test_an_abandoned_generation_ends_at_its_next_step_and_others_run_on(model):
+    """Within `abandon.run`, a decode loop stops the step after its event is set (here by the
+    streaming callback at the third step), every row cut there; the tokens it made are greedy's;
+    an event never set changes nothing, and outside `run` nothing is asked."""
+    greedy = generate(model, PROMPTS, max_new_tokens=8)
+    event, steps = threading.Event(), []
+
+    def third_step_abandons(tokens, active):
+        steps.append(tokens)
+        if len(steps) == 3:
+            event.set()
+
+    cut = abandon.run(
+        event, functools.partial(generate, model, PROMPTS, max_new_tokens=8, on_tokens=third_step_abandons)
+    )
+    assert cut.lengths.max() == 3 and len(steps) == 3
+    np.testing.assert_array_equal(cut.tokens[:, :3], greedy.tokens[:, :3])
+    whole = abandon.run(threading.Event(), functools.partial(generate, model, PROMPTS, max_new_tokens=8))
+    np.testing.assert_array_equal(whole.tokens, greedy.tokens)
+    assert abandon.current() is None
+
+
+def test_a_predict_call_whose_requests_all_timed_out_is_abandoned(model):
+    """The server's predict batcher: a call whose one request timed out (its client had a 504)
+    stops decoding within a step or two, and the worker takes the next call, which runs whole."""
+    steps = []
+
+    def rows(groups, values):  # 20 steps of 50 ms: a second of decoding
+        slow = lambda tokens, active: (steps.append(1), time.sleep(0.05))  # noqa: E731
+        result = generate(model, PROMPTS, max_new_tokens=20, on_tokens=slow)
+        return [[{"steps": int(result.lengths.max())}] for _ in groups]
+
+    async def main():
+        worker = ThreadPoolExecutor(1)
+        batcher = Batcher("m", rows, worker, max_batch=4, max_wait=0, queue_size=4, metrics=Metrics())
+        batcher.start()
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(batcher.predict([{}], {}), 0.3)
+        return await batcher.predict([{}], {})
+
+    assert asyncio.run(main()) == [{"steps": 20}]
+    assert len(steps) <= 20 + 10  # the first call stopped near its sixth step, not its twentieth
 
 
 def sequence_score(model, prompt, new_tokens, alpha):

@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx
 
 from core.errors import UserError
+from core.generation import abandon
 from core.generation.beam import Beams, beam_search
 from core.generation.sampling import Generation, OnTokens, State, beam_settings, sample, sampling_and_key
 from core.model.cache import Cache
@@ -113,7 +114,7 @@ def generate(
     settings, key = sampling_and_key(seed, **sampling)
     tokens, lengths = prepare_prompts(model, prompts, settings.max_new_tokens, width)
     graphdef, params = nnx.split(model)
-    outputs = _sample_program(graphdef, settings, on_tokens, use_cache, params, tokens, lengths, key)
+    outputs = _sample_program(graphdef, settings, on_tokens, use_cache, params, tokens, lengths, key, abandon.current())
     return Generation(*(np.asarray(x) for x in outputs))
 
 
@@ -144,11 +145,11 @@ def best_continuations(
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), compiler_options=COMPILER_OPTIONS)
-def _sample_program(graphdef, sampling, on_tokens, use_cache, params, tokens, lengths, key):
+def _sample_program(graphdef, sampling, on_tokens, use_cache, params, tokens, lengths, key, ticket):
     model = nnx.merge(graphdef, params)
     start, step = (prefill, extend) if use_cache else (prefill_buffer, recompute)
     logits, state = start(model, tokens, lengths, tokens.shape[1] + sampling.max_new_tokens)
-    return sample(functools.partial(step, model), state, logits, key, sampling, on_tokens)
+    return sample(functools.partial(step, model), state, logits, key, sampling, on_tokens, ticket)
 
 
 def generate_beams(model: Model, prompts: Sequence[Sequence[int]], *, width: int | None = None, **beam) -> Beams:

@@ -26,7 +26,7 @@ import numpy as np
 from jax.experimental import io_callback
 
 from core.errors import UserError
-from core.generation import penalties
+from core.generation import abandon, penalties
 
 State = Any
 Step = Callable[[State, jax.Array], tuple[jax.Array, State]]
@@ -101,10 +101,17 @@ def choose(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
 
 
 def sample(
-    step: Step, state: State, logits: jax.Array, key: jax.Array, sampling: Sampling, on_tokens: OnTokens | None = None
+    step: Step,
+    state: State,
+    logits: jax.Array,
+    key: jax.Array,
+    sampling: Sampling,
+    on_tokens: OnTokens | None = None,
+    ticket: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Decodes up to `max_new_tokens` per row from `logits` [B, V] for the first new token, in one
-    while loop that ends when every row has produced a stop token. -> tokens [B, M], lengths [B],
+    while loop that ends when every row has produced a stop token, or at the first step after
+    the host abandons `ticket` (`core.generation.abandon`). -> tokens [B, M], lengths [B],
     log-probability sums [B] (see `Generation`)."""
     M = sampling.max_new_tokens
     stops = jnp.asarray(sampling.stop_tokens, jnp.int32)
@@ -120,6 +127,8 @@ def sample(
         tokens = jax.lax.dynamic_update_slice(tokens, token[:, None], (0, index))
         lengths = lengths + (~done).astype(jnp.int32)
         done = done | jnp.isin(token, stops)
+        if ticket is not None:
+            done = done | io_callback(abandon.asked, jax.ShapeDtypeStruct((), jnp.bool_), ticket, ordered=True)
         return token, tokens, lengths, log_probs, done
 
     def body(carry):

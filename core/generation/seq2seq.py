@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 
 from core.errors import UserError
+from core.generation import abandon
 from core.generation.beam import Beams, beam_search
 from core.generation.generate import COMPILER_OPTIONS, step_logits
 from core.generation.sampling import Generation, OnTokens, beam_settings, sample, sampling_and_key
@@ -98,16 +99,16 @@ def generate_from_source(
     settings, key = sampling_and_key(seed, **sampling)
     inputs, mask = prepare_sources(model, sources, settings.max_new_tokens, width, len(start.prompt))
     graphdef, params = nnx.split(model)
-    outputs = _source_sample_program(graphdef, settings, start, on_tokens, params, inputs, mask, key)
+    outputs = _source_sample_program(graphdef, settings, start, on_tokens, params, inputs, mask, key, abandon.current())
     return Generation(*(np.asarray(x) for x in outputs))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), compiler_options=COMPILER_OPTIONS)
-def _source_sample_program(graphdef, sampling, start, on_tokens, params, inputs, mask, key):
+def _source_sample_program(graphdef, sampling, start, on_tokens, params, inputs, mask, key, ticket):
     model = nnx.merge(graphdef, params)
     logits, state, probe = encode_prefill(model, inputs, mask, start, sampling.max_new_tokens)
     step = functools.partial(encoder_decoder_step, model, suppress=start.suppress)
-    return *sample(step, state, logits, key, sampling, on_tokens), probe
+    return *sample(step, state, logits, key, sampling, on_tokens, ticket), probe
 
 
 def generate_beams_from_source(

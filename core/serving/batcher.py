@@ -8,13 +8,16 @@ warm). A request with other options waits for the next call.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
+from core.generation import abandon
 from core.serving.api import ApiError
 from core.serving.metrics import Metrics
 
@@ -92,8 +95,19 @@ class Batcher:
 
     async def _run(self, batch: list[_Pending]) -> None:
         groups = [p.examples for p in batch]
+        # Once every request of the call has given up (each past its timeout: a 504 sent), the
+        # call's generations end at their next step, freeing the worker for those still waiting.
+        gone = threading.Event()
+
+        def given_up(_) -> None:
+            if all(p.future.done() for p in batch):
+                gone.set()
+
+        for pending in batch:
+            pending.future.add_done_callback(given_up)
         try:
-            rows = await asyncio.get_running_loop().run_in_executor(self.worker, self.rows, groups, batch[0].values)
+            call = functools.partial(abandon.run, gone, self.rows, groups, batch[0].values)
+            rows = await asyncio.get_running_loop().run_in_executor(self.worker, call)
         except Exception as error:
             for pending in batch:
                 if not pending.future.done():

@@ -1,0 +1,47 @@
+"""Generations that the thread running them may abandon midway: a served request past its
+timeout, whose client has had its 504 and will never read the answer.
+
+`run(event, function, *args)` calls `function` with every generation it starts abandonable: its
+decode loop asks the host at each step whether `event` is set, and ends every row there if it
+is. Which event a loop asks about rides in the compiled program as a number (`current()`, an
+argument, not a constant), so one program serves every request; outside `run` the loop asks
+nothing and compiles without the question.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable
+from contextvars import ContextVar
+from typing import Any
+
+import numpy as np
+
+_events: dict[int, threading.Event] = {}
+_current: ContextVar[int | None] = ContextVar("apps_abandon_ticket", default=None)
+_tickets = itertools.count()
+
+
+def run(event: threading.Event, function: Callable[..., Any], *args) -> Any:
+    """`function(*args)`, its generations ended at their next step once `event` is set."""
+    ticket = next(_tickets) % 2**31
+    _events[ticket] = event
+    token = _current.set(ticket)
+    try:
+        return function(*args)
+    finally:
+        _current.reset(token)
+        del _events[ticket]
+
+
+def current() -> np.int32 | None:
+    """The ticket of the `run` this thread is in (the argument a decode loop asks with), or None."""
+    ticket = _current.get()
+    return None if ticket is None else np.int32(ticket)
+
+
+def asked(ticket: np.ndarray) -> np.bool_:
+    """Whether the generations of `ticket` are abandoned (a decode loop's host callback)."""
+    event = _events.get(int(ticket))
+    return np.bool_(event is not None and event.is_set())
