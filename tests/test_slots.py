@@ -5,7 +5,7 @@ import threading
 
 import numpy as np
 import pytest
-from test_generate import GEMMA_SHAPED, VOCAB, language_model
+from test_generate import GEMMA_SHAPED, VOCAB, full_logits, language_model
 
 from core.generation.generate import generate
 from core.generation.slots import Engine, QueueFull, Request
@@ -14,17 +14,18 @@ PROMPTS = [[3, 14, 15], [9, 2, 6, 5, 35, 8, 9], [27], [4, 4, 4, 4, 1], [11, 12]]
 
 
 class Collector:
-    """A request's tokens and how it ended, with an event set at its end."""
+    """A request's tokens (and their scores, if asked) and how it ended, with an event set at its end."""
 
     def __init__(self):
-        self.tokens, self.reason, self.done = [], None, threading.Event()
+        self.tokens, self.scores, self.reason, self.done = [], [], None, threading.Event()
 
-    def __call__(self, token, reason):
+    def __call__(self, token, reason, scores=None):
         if token is None:
             self.reason = reason
             self.done.set()
         else:
             self.tokens.append(token)
+            self.scores.append(scores)
 
 
 def run_all(engine: Engine, requests: list[Request], collectors: list[Collector]):
@@ -52,6 +53,41 @@ def test_slots_give_what_each_request_gives_alone(shape):
         expected = generate(model, [prompt], max_new_tokens=new)
         assert collector.tokens == list(expected.tokens[0][:new]) and collector.reason == "length"
     assert engine.prefills == len(PROMPTS) and not engine.busy()
+
+
+def test_log_probabilities_are_the_models_at_the_chosen_tokens():
+    """Greedy requests asking for log-probabilities, beside one that does not: each token's is the
+    log-softmax of the full forward pass's logits there (by hand), its alternatives are the most
+    likely ids best first (greedy's token the first), summing to at most 1; a sampled request's
+    are those of its tempered distribution; the one that did not ask gets none."""
+    model = language_model()
+    engine = Engine(model, slots=3)
+    collectors = [Collector() for _ in range(3)]
+    requests = [
+        Request(PROMPTS[0], 5, collectors[0], logprobs=4),
+        Request(PROMPTS[1], 5, collectors[1]),
+        Request(PROMPTS[2], 5, collectors[2], logprobs=0, temperature=0.5, seed=3),
+    ]
+    run_all(engine, requests, collectors)
+    for request, collector in zip(requests, collectors):
+        ids = list(request.prompt) + collector.tokens
+        scale = request.temperature or 1.0
+        logits = np.asarray(full_logits(model, [ids[:-1]])[0, len(request.prompt) - 1 :]) / scale
+        expected = (
+            logits
+            - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True))
+            - logits.max(-1, keepdims=True)
+        )
+        if request.logprobs is None:
+            assert collector.scores == [None] * 5
+            continue
+        for step, (token, scores) in enumerate(zip(collector.tokens, collector.scores)):
+            assert scores.logprob == pytest.approx(expected[step, token], abs=1e-4)
+            assert len(scores.top) == request.logprobs
+            if scores.top:
+                assert scores.top[0][0] == token and list(scores.top) == sorted(scores.top, key=lambda t: -t[1])
+                assert [p for _, p in scores.top] == pytest.approx([expected[step, i] for i, _ in scores.top], abs=1e-4)
+                assert sum(np.exp(p) for _, p in scores.top) <= 1 + 1e-5
 
 
 def test_a_step_over_the_leading_rows_alone_gives_what_a_step_over_all_gives():

@@ -44,7 +44,8 @@ log = logging.getLogger("apps")
 class Request:
     """One generation: prompt ids, how many new tokens at most, the sampling settings, the ids
     that end it (never drawn before `min_new` new tokens), and `emit(token, reason)`: called with
-    each new token (reason None), then once with token None and why it ended ("stop": a stop id,
+    each new token (reason None; and, with `logprobs`, its `Scores`), then once with token None
+    and why it ended ("stop": a stop id,
     not emitted; "length": max_new; "cancelled"; "error: ..."). `cancel()` from any thread frees
     its slot before the next step."""
 
@@ -56,6 +57,7 @@ class Request:
     seed: int = 0
     stop_ids: frozenset[int] = frozenset()
     min_new: int = 0
+    logprobs: int | None = None  # with each token its log-probability and this many alternatives
     submitted: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -71,18 +73,41 @@ class QueueFull(Exception):
 # end of turn), and the id that fills the rest of its row, out of any vocabulary's range.
 HELD = 8
 NO_ID = 2**31 - 1
+# The most alternatives a request's log-probabilities may list (OpenAI's top_logprobs bound).
+TOP = 20
 
 
-def _pick(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, seed: jax.Array, count: jax.Array, held):
+def _pick(logits, temperature, top_p, seed, count, held, wants):
+    """`_choose`'s tokens [S] and, for the rows that `wants` them, their log-probabilities under
+    the distribution each was drawn from (its temperature and nucleus; the model's own at
+    temperature 0): the chosen token's [S] and the TOP most likely ids [S, TOP] with theirs.
+    Only computed when some row asks (a real branch on the CPU, as `_choose`'s)."""
+    logits = logits.at[jnp.arange(logits.shape[0])[:, None], held].set(-jnp.inf, mode="drop")
+    token = _choose(logits, temperature, top_p, seed, count)
+
+    def scored():
+        drawn = temperature > 0
+        scaled = jnp.where(drawn[:, None], logits / jnp.maximum(temperature, 1e-6)[:, None], logits)
+        scaled = filter_logits(scaled, None, jnp.where(drawn, top_p, 1.0)[:, None])
+        log_probs = jax.nn.log_softmax(scaled, axis=-1)
+        chosen = jnp.take_along_axis(log_probs, token[:, None], axis=-1)[:, 0]
+        top, ids = jax.lax.top_k(log_probs, TOP)
+        return chosen, ids.astype(jnp.int32), top
+
+    rows = logits.shape[0]
+    none = jnp.zeros(rows), jnp.zeros((rows, TOP), jnp.int32), jnp.zeros((rows, TOP))
+    return token, jax.lax.cond(jnp.any(wants), scored, lambda: none)
+
+
+def _choose(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, seed: jax.Array, count: jax.Array):
     """Each row's next token from logits [S, V] and its settings [S]: greedy at temperature 0,
-    else sampled in the nucleus of top_p with the key of (seed, count); never one of the row's
-    `held` ids [S, HELD] (its stop ids while it has fewer than `min_new` tokens; NO_ID pads).
+    else sampled in the nucleus of top_p with the key of (seed, count). (`_pick` has already
+    ruled out each row's held ids: its stop ids while it has fewer than `min_new` tokens.)
 
     The draws (random bits for every entry of the vocabulary) and the nucleus (a sort of it) cost
     more than the rest of a small model's step at a large vocabulary, so each runs only when some
     row asks for it: a real branch on the CPU, and a row's tokens never depend on whether its
     neighbours sample (top_p 1 keeps every logit, with or without the sort)."""
-    logits = logits.at[jnp.arange(logits.shape[0])[:, None], held].set(-jnp.inf, mode="drop")
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def sampled():
@@ -139,29 +164,33 @@ class Engine:
         hidden, row = model.body.prefill(x, mask, row)
         logits = logits_of(model, jnp.take_along_axis(hidden, (length - 1).reshape(1, 1, 1), axis=1))[0]
         cache = jax.tree.map(lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r, slot, axis=0), cache, row)
-        temperature, top_p, seed, held = sampling
+        temperature, top_p, seed, held, wants = sampling
         row = (jnp.atleast_1d(v) for v in (temperature, top_p, seed, jnp.int32(0)))
-        return _pick(logits[None], *row, held[None])[0], cache
+        token, scores = _pick(logits[None], *row, held[None], jnp.atleast_1d(wants))
+        return token[0], jax.tree.map(lambda a: a[0], scores), cache
 
-    def _decode_rows(self, rows, params, cache, tokens, active, temperature, top_p, seed, count, held):
+    def _decode_rows(self, rows, params, cache, tokens, active, temperature, top_p, seed, count, held, wants):
         """`_decode_step` on the cache's first `rows` rows alone (every argument after the cache
         is of those rows): a step costs what its rows cost, so a few active slots in the
         lowest rows (where `_admit` puts requests) step at the price of a few."""
+        settings = temperature, top_p, seed, count, held, wants
         if rows == self.slots:
-            return self._decode_step(params, cache, tokens, active, temperature, top_p, seed, count, held)
+            return self._decode_step(params, cache, tokens, active, *settings)
         part = jax.tree.map(lambda a: a[:rows], cache)
-        tokens, part = self._decode_step(params, part, tokens, active, temperature, top_p, seed, count, held)
-        return tokens, jax.tree.map(lambda a, p: jax.lax.dynamic_update_slice_in_dim(a, p, 0, axis=0), cache, part)
+        tokens, scores, part = self._decode_step(params, part, tokens, active, *settings)
+        cache = jax.tree.map(lambda a, p: jax.lax.dynamic_update_slice_in_dim(a, p, 0, axis=0), cache, part)
+        return tokens, scores, cache
 
-    def _decode_step(self, params, cache, tokens, active, temperature, top_p, seed, count, held):
-        """One token for every slot [S] -> (the next token of each, the cache); an idle slot
-        computes at position 0, so its row never runs past the context."""
+    def _decode_step(self, params, cache, tokens, active, temperature, top_p, seed, count, held, wants):
+        """One token for every slot [S] -> (the next token of each, their log-probabilities
+        where wanted, the cache); an idle slot computes at position 0, so its row never runs
+        past the context."""
         model = nnx.merge(self.graphdef, params)
         cache = cache._replace(lengths=jnp.where(active, cache.lengths, 0))
         x, _ = model.embedder(tokens[:, None], jnp.ones((tokens.shape[0], 1), bool))
         hidden, cache = model.body.extend(x, cache)
         logits = logits_of(model, hidden)
-        return _pick(logits, temperature, top_p, seed, count, held), cache
+        return *_pick(logits, temperature, top_p, seed, count, held, wants), cache
 
     # Running ---------------------------------------------------------------------------------
 
@@ -232,7 +261,7 @@ class Engine:
             if self.on_step is not None:
                 self.on_step(int(active.sum()))
             try:
-                tokens = self._run_step(active)
+                tokens, scores = self._run_step(active)
             except Exception as error:  # the step failed: every request in it fails, the engine goes on
                 log.exception("A decode step failed.")
                 for slot, request in enumerate(self.active):
@@ -241,7 +270,7 @@ class Engine:
                 continue
             for slot, request in enumerate(self.active):
                 if request is not None:
-                    self._advance(slot, request, int(tokens[slot]))
+                    self._advance(slot, request, int(tokens[slot]), scores[slot])
 
     def _admit(self) -> None:
         """Fills free slots from the queue, skipping cancelled requests."""
@@ -258,15 +287,15 @@ class Engine:
             return
         self.active[slot] = request
         try:
-            token = self._prefill_slot(slot, request)
+            token, scores = self._prefill_slot(slot, request)
         except Exception as error:
             log.exception("A prefill failed.")
             self._finish(slot, f"error: {error}")
             return
         self.counts[slot] = 0
-        self._advance(slot, request, token)
+        self._advance(slot, request, token, scores)
 
-    def _prefill_slot(self, slot: int, request: Request) -> int:
+    def _prefill_slot(self, slot: int, request: Request) -> tuple[int, Scores | None]:
         prompt = request.prompt
         width = bucket_width(len(prompt), self.context - 1)
         tokens = np.zeros((1, width), np.int32)
@@ -276,12 +305,13 @@ class Engine:
             jnp.float32(request.top_p),
             jnp.uint32(request.seed),
             _held([request], [0])[0],
+            jnp.bool_(request.logprobs is not None),
         )
-        token, self.cache = self._prefill(
+        token, scores, self.cache = self._prefill(
             self.params, self.cache, tokens, jnp.int32(len(prompt)), jnp.int32(slot), settings
         )
         self.prefills += 1
-        return int(token)
+        return int(token), _scored(request, *(np.asarray(a) for a in scores))
 
     def row_counts(self) -> list[int]:
         """The numbers of leading rows that a decode step compiles for: all of them, and the
@@ -291,12 +321,13 @@ class Engine:
         them 83 ms, 1 of them 37 ms), so fewer rows pay below a third."""
         return sorted({*(1 << i for i in range(self.slots.bit_length()) if 3 << i <= self.slots), self.slots})
 
-    def _run_step(self, active: np.ndarray) -> np.ndarray:
-        """A decode step over the fewest leading rows that hold every active slot -> a token per slot."""
+    def _run_step(self, active: np.ndarray) -> tuple[np.ndarray, list[Scores | None]]:
+        """A decode step over the fewest leading rows that hold every active slot -> a token per
+        slot, and each slot's log-probabilities where its request wants them."""
         last = int(np.flatnonzero(active)[-1]) + 1 if active.any() else 1
         rows = next(n for n in self.row_counts() if n >= last)
         requests = [r if r is not None else Request((), 1, lambda *_: None) for r in self.active[:rows]]
-        tokens, self.cache = self._step(
+        tokens, scores, self.cache = self._step(
             rows,
             self.params,
             self.cache,
@@ -307,14 +338,19 @@ class Engine:
             np.array([r.seed for r in requests], np.uint32),
             self.counts[:rows],
             _held(requests, self.counts[:rows]),
+            np.array([r.logprobs is not None for r in requests]),
         )
         self.steps += 1
         found = np.zeros(self.slots, np.int32)
         found[:rows] = np.asarray(tokens)
-        return found
+        scored: list[Scores | None] = [None] * self.slots
+        if any(r.logprobs is not None for r in requests):
+            chosen, ids, top = (np.asarray(a) for a in scores)
+            scored[:rows] = [_scored(r, chosen[i], ids[i], top[i]) for i, r in enumerate(requests)]
+        return found, scored
 
-    def _advance(self, slot: int, request: Request, token: int) -> None:
-        """A slot's new token: emitted, or the end of its request."""
+    def _advance(self, slot: int, request: Request, token: int, scores: Scores | None = None) -> None:
+        """A slot's new token (with its log-probabilities if asked): emitted, or the end of its request."""
         self.counts[slot] += 1
         self.last[slot] = token
         if request.cancelled.is_set():
@@ -322,7 +358,7 @@ class Engine:
         elif token in request.stop_ids:
             self._finish(slot, "stop")
         else:
-            _tell(request, token, None)
+            _tell(request, token, None, scores)
             if self.counts[slot] >= request.max_new:
                 self._finish(slot, "length")
 
@@ -343,10 +379,26 @@ def _held(requests: Sequence[Request], counts: Sequence[int]) -> np.ndarray:
     return held
 
 
-def _tell(request: Request, token: int | None, reason: str | None) -> None:
-    """`request.emit`, whose failure (a caller's bug) cancels that request alone."""
+@dataclass(frozen=True)
+class Scores:
+    """A new token's log-probability and its most likely alternatives, (id, log-probability)
+    best first, under the distribution it was drawn from."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+def _scored(request: Request, chosen, ids, top) -> Scores | None:
+    if request.logprobs is None:
+        return None
+    return Scores(float(chosen), tuple((int(i), float(p)) for i, p in zip(ids[: request.logprobs], top)))
+
+
+def _tell(request: Request, token: int | None, reason: str | None, scores: Scores | None = None) -> None:
+    """`request.emit` (with the token's `scores` where its request asked), whose failure (a
+    caller's bug) cancels that request alone."""
     try:
-        request.emit(token, reason)
+        request.emit(token, reason) if scores is None else request.emit(token, reason, scores)
     except Exception:
         log.exception("A request's emit failed; cancelling it.")
         request.cancel()
