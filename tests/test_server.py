@@ -190,6 +190,40 @@ def test_what_current_clients_send(server, tiny):
         assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
 
 
+def test_log_probabilities_in_both_shapes_streamed_or_not(server):
+    """Greedy tokens with their log-probabilities: the chosen one first among its alternatives,
+    sorted, summing below 1; the stream carries the same, chunk by chunk; the legacy shape lists
+    one per token with its text's offset; bad values are named."""
+    url, _ = server
+    ask = dict(model="tiny.gguf", messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=0)
+    answer = client(url).chat.completions.create(**ask, logprobs=True, top_logprobs=3, extra_body={"min_tokens": 6})
+    content = answer.choices[0].logprobs.content
+    assert len(content) == answer.usage.completion_tokens == 6
+    for item in content:
+        ranked = [t.logprob for t in item.top_logprobs]
+        assert len(ranked) == 3 and ranked == sorted(ranked, reverse=True) and ranked[0] == item.logprob <= 0
+        assert sum(np.exp(ranked)) <= 1 + 1e-6 and item.top_logprobs[0].token == item.token
+    chunks = client(url).chat.completions.create(
+        **ask, logprobs=True, top_logprobs=3, extra_body={"min_tokens": 6}, stream=True
+    )
+    streamed = [item for c in chunks if c.choices and c.choices[0].logprobs for item in c.choices[0].logprobs.content]
+    assert [(i.token, i.logprob) for i in streamed] == [(i.token, i.logprob) for i in content]
+    legacy = client(url).completions.create(model="tiny.gguf", prompt="the", max_tokens=5, temperature=0, logprobs=2)
+    scored = legacy.choices[0].logprobs
+    assert len(scored.token_logprobs) == len(scored.top_logprobs) == len(scored.text_offset) == 5
+    assert scored.text_offset[0] == 0 and scored.text_offset == sorted(scored.text_offset)
+    plain = client(url).completions.create(model="tiny.gguf", prompt="the", max_tokens=5, temperature=0)
+    assert plain.choices[0].logprobs is None and plain.choices[0].text == legacy.choices[0].text
+    for body, path, param in [
+        ({"messages": ask["messages"], "top_logprobs": 2}, "/v1/chat/completions", "top_logprobs"),
+        ({"messages": ask["messages"], "logprobs": True, "top_logprobs": 21}, "/v1/chat/completions", "top_logprobs"),
+        ({"prompt": "a", "logprobs": 21}, "/v1/completions", "logprobs"),
+        ({"prompt": "a", "logprobs": True}, "/v1/completions", "logprobs"),
+    ]:
+        response = httpx.post(f"{url}{path}", json=body, headers=auth())
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+
+
 def test_a_stop_sequence_and_seeded_sampling(server):
     url, _ = server
     whole = client(url).completions.create(model="tiny.gguf", prompt="a b c", max_tokens=10, temperature=0).choices[0]

@@ -136,6 +136,10 @@ class Sampling(Strict):
             raise ApiError(400, "max_completion_tokens: give it or max_tokens, not both.", "max_completion_tokens")
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def wanted_logprobs(self) -> int | None:
+        """How many alternatives each token's log-probability lists (None: no log-probabilities)."""
+        return None
+
     def stops(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stops) > 4 or any(not s for s in stops):
@@ -146,6 +150,10 @@ class Sampling(Strict):
 class CompletionBody(Sampling):
     # A text, texts, or prompts already tokenized (ids, lists of ids), as OpenAI's API takes them.
     prompt: Text | list[Text] | list[int] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=20)  # the alternatives listed per token
+
+    def wanted_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class ChatBody(Sampling):
@@ -153,3 +161,10 @@ class ChatBody(Sampling):
     # Ours: read control tokens typed in message content as the template's own (`<|im_end|>`
     # ending a turn); by default content is text and only the template places them.
     content_markers: bool = False
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+    def wanted_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs: give logprobs: true with it.", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None

@@ -20,8 +20,9 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from core.generation.detokenize import Detokenizer
-from core.generation.slots import QueueFull
+from core.generation.slots import QueueFull, Scores
 from core.generation.slots import Request as Generation
+from core.serving import logprobs
 from core.serving.api import ApiError, Sampling, within
 from core.serving.metrics import Metrics
 from core.serving.models import Served
@@ -57,7 +58,7 @@ class Completions:
             "created": int(time.time()),
             "model": served.name,
             "choices": [
-                {"index": c.index, "finish_reason": c.reason, "logprobs": None}
+                {"index": c.index, "finish_reason": c.reason, "logprobs": c.logprobs(c.scored)}
                 | ({"message": {"role": "assistant", "content": c.text}} if chat else {"text": c.text})
                 for c in choices
             ],
@@ -76,13 +77,14 @@ class Completions:
                 "n" if body.n > 1 else "prompt",
             )
         max_new = _max_new_tokens(engine.context, body, prompts, kind)
+        alternatives, chat = body.wanted_logprobs(), kind == "chat.completion"
         seed = body.seed if body.seed is not None else secrets.randbits(31)
         events: asyncio.Queue = asyncio.Queue()  # every choice's new text, as it comes (for streaming)
         loop = asyncio.get_running_loop()
         featurizer: CompletingFeaturizer = served.predictor.featurizer
         choices = []
         for index in range(len(prompts) * body.n):
-            choice = Choice(featurizer.continuation, prompts[index // body.n], stops, index, events, loop)
+            choice = Choice(featurizer.continuation, prompts[index // body.n], stops, index, events, loop, chat)
             choice.request = Generation(
                 choice.prompt,
                 max_new,
@@ -92,6 +94,7 @@ class Completions:
                 seed=(seed + index) % 2**32,
                 stop_ids=frozenset(featurizer.tokenizer.stop_ids),
                 min_new=body.min_tokens,
+                logprobs=alternatives,
             )
             choices.append(choice)
         try:
@@ -125,7 +128,7 @@ class Completions:
                     yield _event(head | {"choices": [{"index": choice.index, "delta": role, "finish_reason": None}]})
             while open_choices:
                 try:
-                    index, text, reason = await asyncio.wait_for(events.get(), self.timeout)
+                    index, text, reason, scores = await asyncio.wait_for(events.get(), self.timeout)
                 except TimeoutError:
                     yield _event({"error": {"message": "timed out", "type": "timeout", "param": None, "code": 504}})
                     return
@@ -133,7 +136,7 @@ class Completions:
                     open_choices -= 1
                 content = {"delta": {"content": text} if text else {}} if chat else {"text": text}
                 yield _event(
-                    head | {"choices": [{"index": index, **content, "finish_reason": reason, "logprobs": None}]}
+                    head | {"choices": [{"index": index, **content, "finish_reason": reason, "logprobs": scores}]}
                 )
             self._count(served, choices)  # before the end reaches the client, who may read the metrics next
             counted = True
@@ -226,24 +229,29 @@ class Choice:
     change goes to `events` as (index, new text, finish reason); text that may begin a stop
     sequence is held back until it is decided, so a stream never sends a part of one."""
 
-    def __init__(self, continuation, prompt: list[int], stops: list[str], index: int, events, loop):
+    def __init__(self, continuation, prompt: list[int], stops: list[str], index: int, events, loop, chat: bool):
         self.prompt, self.stops, self.index, self.events, self.loop = prompt, stops, index, events, loop
         self.text_of = Detokenizer(continuation, prompt)
+        self.chat = chat
+        self.scored: list[logprobs.Entry] = []  # each token's scores, if the request asked
+        self.streamed = 0  # of them, sent in a stream's chunks
         self.text, self.sent, self.reason = "", 0, None
         self.first: float | None = None
         self.request: Generation | None = None
         self.finished: asyncio.Future = loop.create_future()
         self._started = time.perf_counter()
 
-    def emit(self, token: int | None, reason: str | None) -> None:  # on the engine's thread
-        self.loop.call_soon_threadsafe(self._take, token, reason)
+    def emit(self, token: int | None, reason: str | None, scores: Scores | None = None) -> None:
+        self.loop.call_soon_threadsafe(self._take, token, reason, scores)  # from the engine's thread
 
-    def _take(self, token: int | None, reason: str | None) -> None:
+    def _take(self, token: int | None, reason: str | None, scores: Scores | None = None) -> None:
         if self.reason is not None:
             return
         if token is not None:
             if self.first is None:
                 self.first = time.perf_counter() - self._started
+            if scores is not None:
+                self.scored.append(((self.text_of.ids or self.prompt)[-1], token, scores))
             text = self.text_of.add(token)
             if text is None:
                 return  # the rest of a character is still to come
@@ -260,17 +268,26 @@ class Choice:
         self._send(self.text_of.text(), "length" if reason == "length" else "stop")
 
     def _send(self, text: str, reason: str | None) -> None:
-        new = text[self.sent :]
+        new, offset = text[self.sent :], self.sent
         self.text, self.sent = text, len(text)
         if reason is not None:
             self.reason = reason
         if new or reason is not None:
-            self.events.put_nowait((self.index, new, reason))
+            scored, self.streamed = self.scored[self.streamed :], len(self.scored)
+            self.events.put_nowait((self.index, new, reason, self.logprobs(scored, offset)))
         if reason is not None and not self.finished.done():
             self.finished.set_result(None)
 
+    def logprobs(self, scored: list[logprobs.Entry], offset: int = 0) -> dict | None:
+        """`scored` tokens' log-probabilities in the endpoint's shape (None: not asked)."""
+        if self.request.logprobs is None:
+            return None
+        if self.chat:
+            return logprobs.chat(scored, self.text_of.continuation)
+        return logprobs.completion(scored, self.text_of.continuation, offset)
+
     def _fail(self, reason: str) -> None:
         self.reason = "error"
-        self.events.put_nowait((self.index, "", "error"))
+        self.events.put_nowait((self.index, "", "error", None))
         if not self.finished.done():
             self.finished.set_exception(RuntimeError(reason))
