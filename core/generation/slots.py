@@ -8,10 +8,8 @@ per step, each row at its own position (`Cache.lengths`). A finished, failed or 
 request frees its slot at once and a waiting one takes it before the next step: one long
 request never holds short ones back, and the step's batch is as full as the load allows.
 
-Each slot samples with its own settings (temperature, nucleus, seed): greedy where the
-temperature is 0, else a draw from the softmax of the logits over the temperature, cut to the
-nucleus of `top_p`, with the key folded from the request's seed and its token count, so a
-request gives the same tokens whichever slot it lands in and whatever runs beside it.
+Each slot samples with its own settings, and may ask for its tokens' log-probabilities
+(`core.generation.slot_sampling`).
 
 One engine thread owns the cache and runs every compiled call; callers submit from any thread
 and receive tokens through their request's `emit` callback, on the engine thread.
@@ -32,7 +30,7 @@ import numpy as np
 from flax import nnx
 
 from core.generation.generate import COMPILER_OPTIONS, logits_of
-from core.generation.sampling import filter_logits
+from core.generation.slot_sampling import HELD, Scores, held_ids, pick, scored
 from core.model.precision import narrowed
 from core.model.transformer import Model
 from core.training.data import bucket_width
@@ -67,58 +65,6 @@ class Request:
 
 class QueueFull(Exception):
     """The engine's queue holds `queue_size` waiting requests already."""
-
-
-# The most stop ids a request with `min_new` may hold back (a tokenizer has a few: end of text,
-# end of turn), and the id that fills the rest of its row, out of any vocabulary's range.
-HELD = 8
-NO_ID = 2**31 - 1
-# The most alternatives a request's log-probabilities may list (OpenAI's top_logprobs bound).
-TOP = 20
-
-
-def _pick(logits, temperature, top_p, seed, count, held, wants):
-    """`_choose`'s tokens [S] and, for the rows that `wants` them, their log-probabilities under
-    the distribution each was drawn from (its temperature and nucleus; the model's own at
-    temperature 0): the chosen token's [S] and the TOP most likely ids [S, TOP] with theirs.
-    Only computed when some row asks (a real branch on the CPU, as `_choose`'s)."""
-    logits = logits.at[jnp.arange(logits.shape[0])[:, None], held].set(-jnp.inf, mode="drop")
-    token = _choose(logits, temperature, top_p, seed, count)
-
-    def scored():
-        drawn = temperature > 0
-        scaled = jnp.where(drawn[:, None], logits / jnp.maximum(temperature, 1e-6)[:, None], logits)
-        scaled = filter_logits(scaled, None, jnp.where(drawn, top_p, 1.0)[:, None])
-        log_probs = jax.nn.log_softmax(scaled, axis=-1)
-        chosen = jnp.take_along_axis(log_probs, token[:, None], axis=-1)[:, 0]
-        top, ids = jax.lax.top_k(log_probs, TOP)
-        return chosen, ids.astype(jnp.int32), top
-
-    rows = logits.shape[0]
-    none = jnp.zeros(rows), jnp.zeros((rows, TOP), jnp.int32), jnp.zeros((rows, TOP))
-    return token, jax.lax.cond(jnp.any(wants), scored, lambda: none)
-
-
-def _choose(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, seed: jax.Array, count: jax.Array):
-    """Each row's next token from logits [S, V] and its settings [S]: greedy at temperature 0,
-    else sampled in the nucleus of top_p with the key of (seed, count). (`_pick` has already
-    ruled out each row's held ids: its stop ids while it has fewer than `min_new` tokens.)
-
-    The draws (random bits for every entry of the vocabulary) and the nucleus (a sort of it) cost
-    more than the rest of a small model's step at a large vocabulary, so each runs only when some
-    row asks for it: a real branch on the CPU, and a row's tokens never depend on whether its
-    neighbours sample (top_p 1 keeps every logit, with or without the sort)."""
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-
-    def sampled():
-        scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
-        nucleus = jnp.any((temperature > 0) & (top_p < 1))
-        scaled = jax.lax.cond(nucleus, lambda: filter_logits(scaled, None, top_p[:, None]), lambda: scaled)
-        keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seed, count)
-        drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
-        return jnp.where(temperature > 0, drawn, greedy)
-
-    return jax.lax.cond(jnp.any(temperature > 0), sampled, lambda: greedy)
 
 
 class Engine:
@@ -166,7 +112,7 @@ class Engine:
         cache = jax.tree.map(lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r, slot, axis=0), cache, row)
         temperature, top_p, seed, held, wants = sampling
         row = (jnp.atleast_1d(v) for v in (temperature, top_p, seed, jnp.int32(0)))
-        token, scores = _pick(logits[None], *row, held[None], jnp.atleast_1d(wants))
+        token, scores = pick(logits[None], *row, held[None], jnp.atleast_1d(wants))
         return token[0], jax.tree.map(lambda a: a[0], scores), cache
 
     def _decode_rows(self, rows, params, cache, tokens, active, temperature, top_p, seed, count, held, wants):
@@ -190,7 +136,7 @@ class Engine:
         x, _ = model.embedder(tokens[:, None], jnp.ones((tokens.shape[0], 1), bool))
         hidden, cache = model.body.extend(x, cache)
         logits = logits_of(model, hidden)
-        return *_pick(logits, temperature, top_p, seed, count, held, wants), cache
+        return *pick(logits, temperature, top_p, seed, count, held, wants), cache
 
     # Running ---------------------------------------------------------------------------------
 
@@ -304,14 +250,14 @@ class Engine:
             jnp.float32(request.temperature),
             jnp.float32(request.top_p),
             jnp.uint32(request.seed),
-            _held([request], [0])[0],
+            held_ids([request], [0])[0],
             jnp.bool_(request.logprobs is not None),
         )
         token, scores, self.cache = self._prefill(
             self.params, self.cache, tokens, jnp.int32(len(prompt)), jnp.int32(slot), settings
         )
         self.prefills += 1
-        return int(token), _scored(request, *(np.asarray(a) for a in scores))
+        return int(token), scored(request, *(np.asarray(a) for a in scores))
 
     def row_counts(self) -> list[int]:
         """The numbers of leading rows that a decode step compiles for: all of them, and the
@@ -337,17 +283,17 @@ class Engine:
             np.array([r.top_p for r in requests], np.float32),
             np.array([r.seed for r in requests], np.uint32),
             self.counts[:rows],
-            _held(requests, self.counts[:rows]),
+            held_ids(requests, self.counts[:rows]),
             np.array([r.logprobs is not None for r in requests]),
         )
         self.steps += 1
         found = np.zeros(self.slots, np.int32)
         found[:rows] = np.asarray(tokens)
-        scored: list[Scores | None] = [None] * self.slots
+        found_scores: list[Scores | None] = [None] * self.slots
         if any(r.logprobs is not None for r in requests):
             chosen, ids, top = (np.asarray(a) for a in scores)
-            scored[:rows] = [_scored(r, chosen[i], ids[i], top[i]) for i, r in enumerate(requests)]
-        return found, scored
+            found_scores[:rows] = [scored(r, chosen[i], ids[i], top[i]) for i, r in enumerate(requests)]
+        return found, found_scores
 
     def _advance(self, slot: int, request: Request, token: int, scores: Scores | None = None) -> None:
         """A slot's new token (with its log-probabilities if asked): emitted, or the end of its request."""
@@ -366,32 +312,6 @@ class Engine:
         request, self.active[slot] = self.active[slot], None
         if request is not None:
             _tell(request, None, reason)
-
-
-def _held(requests: Sequence[Request], counts: Sequence[int]) -> np.ndarray:
-    """The ids each request may not draw next [len(requests), HELD]: its stop ids while it has
-    fewer than `min_new` tokens."""
-    held = np.full((len(requests), HELD), NO_ID, np.int32)
-    for row, (request, count) in enumerate(zip(requests, counts)):
-        if count < request.min_new:
-            ids = sorted(request.stop_ids)
-            held[row, : len(ids)] = ids
-    return held
-
-
-@dataclass(frozen=True)
-class Scores:
-    """A new token's log-probability and its most likely alternatives, (id, log-probability)
-    best first, under the distribution it was drawn from."""
-
-    logprob: float
-    top: tuple[tuple[int, float], ...]
-
-
-def _scored(request: Request, chosen, ids, top) -> Scores | None:
-    if request.logprobs is None:
-        return None
-    return Scores(float(chosen), tuple((int(i), float(p)) for i, p in zip(ids[: request.logprobs], top)))
 
 
 def _tell(request: Request, token: int | None, reason: str | None, scores: Scores | None = None) -> None:

@@ -20,7 +20,8 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from core.generation.detokenize import Detokenizer
-from core.generation.slots import QueueFull, Scores
+from core.generation.slot_sampling import Scores
+from core.generation.slots import QueueFull
 from core.generation.slots import Request as Generation
 from core.serving import logprobs
 from core.serving.api import ApiError, Sampling, within

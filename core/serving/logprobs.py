@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from core.generation.slots import Scores
+from core.generation.slot_sampling import Scores
 
 Entry = tuple[int, int, Scores]  # (the token before, the token, its scores)
 
