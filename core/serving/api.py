@@ -130,11 +130,14 @@ class Sampling(Strict):
     user: Text | None = None
     stream_options: StreamOptions | None = None
 
-    def new_tokens(self) -> int | None:
-        """The most new tokens asked, by either name (None: the endpoint's default)."""
+    def new_tokens(self) -> tuple[str, int | None]:
+        """The most new tokens asked and the field that asked (its value None: the endpoint's
+        default), by either name."""
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise ApiError(400, "max_completion_tokens: give it or max_tokens, not both.", "max_completion_tokens")
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        if self.max_completion_tokens is not None:
+            return "max_completion_tokens", self.max_completion_tokens
+        return "max_tokens", self.max_tokens
 
     def wanted_logprobs(self) -> int | None:
         """How many alternatives each token's log-probability lists (None: no log-probabilities)."""

@@ -84,7 +84,7 @@ class Completions:
         loop = asyncio.get_running_loop()
         featurizer: CompletingFeaturizer = served.predictor.featurizer
         choices = []
-        for index in range(len(prompts) * body.n):
+        for index in range(wanted):
             choice = Choice(featurizer.continuation, prompts[index // body.n], stops, index, events, loop, chat)
             choice.request = Generation(
                 choice.prompt,
@@ -155,8 +155,7 @@ def _max_new_tokens(context: int, body: Sampling, prompts: list[list[int]], kind
     """The request's max_tokens, checked against the room its longest prompt leaves in a slot
     (OpenAI's default: 16 for a completion, the rest of the context for a chat)."""
     room = context - max(len(p) for p in prompts)
-    asked = body.new_tokens()
-    name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    name, asked = body.new_tokens()
     max_new = asked if asked is not None else min(room, 16 if kind == "text_completion" else room)
     if room < 1 or max_new > room:
         raise ApiError(

@@ -8,6 +8,7 @@ space is kept; a piece inside a character spelled over several tokens is its byt
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 
 from core.generation.slot_sampling import Scores
@@ -36,7 +37,7 @@ def chat(entries: Sequence[Entry], continuation: Callable) -> dict:
 def completion(entries: Sequence[Entry], continuation: Callable, offset: int) -> dict:
     """`offset`: where the first entry's text begins in the choice's text."""
     tokens = [_text(continuation, before, token) for before, token, _ in entries]
-    offsets = [offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    offsets = list(itertools.accumulate((len(t) for t in tokens), initial=offset))[:-1]
     return {
         "tokens": tokens,
         "token_logprobs": [scores.logprob for _, _, scores in entries],

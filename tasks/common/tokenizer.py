@@ -145,6 +145,8 @@ class PretrainedTokenizer:
             add_bos = self.tokenizer.encode("a").ids[:1] == [self.bos_id]
         self.add_bos = bool(add_bos) and self.bos_id is not None
         self.chat_template: str | None = self.config.get("chat_template")
+        # The control tokens' ids (special added tokens: <|im_end|>), which only a template places.
+        self.markers = {i for i, token in self.tokenizer.get_added_tokens_decoder().items() if token.special}
         ends = [self._eos_id] if self._eos_id is not None else []
         self.stop_ids = tuple(dict.fromkeys([*self.config.get("stop_ids", []), *ends]))
 
@@ -224,9 +226,8 @@ class PretrainedTokenizer:
         ids, offsets = self.pieces_with_offsets("".join(text for text, _ in parts))
         bounds = np.cumsum([0, *(len(text) for text, _ in parts)])
         spans = [(a, b) for (_, is_content), a, b in zip(parts, bounds, bounds[1:]) if is_content]
-        markers = {i for i, token in self.tokenizer.get_added_tokens_decoder().items() if token.special}
         if content_markers or not any(
-            i in markers and any(a <= start < b for a, b in spans) for i, (start, _) in zip(ids, offsets)
+            i in self.markers and any(a <= start < b for a, b in spans) for i, (start, _) in zip(ids, offsets)
         ):
             return ids  # the whole text at once: where pieces meet, a tokenizer may merge across
         ids = []
