@@ -21,6 +21,7 @@ memory-mapped) and the utterances in `utterances.json`.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -185,10 +186,7 @@ def load_corpus(preset: str, seed: int = 0) -> dict[str, list[dict]]:
     rendered (with a progress bar) on first use and read from the cache after."""
     sizes = SIZES[preset]
     if preset == "synthetic":
-        utterances = plan("synthetic", sizes, seed)
-        clips = [render(u) for u in utterances]
-        offsets = np.cumsum([0] + [len(c) for c in clips])
-        return _examples(utterances, np.concatenate(clips), offsets, "synthetic")
+        return _examples(*_synthetic(seed), "synthetic")
     spec = settings(preset, sizes, seed)
     key = hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
     folder = cache_root() / f"{preset}-{key}"
@@ -218,6 +216,17 @@ def _render_corpus(utterances: list[Utterance], folder: Path, spec: dict) -> Non
     (temporary / "utterances.json").write_text(json.dumps(meta))
     shutil.rmtree(folder, ignore_errors=True)
     temporary.rename(folder)
+
+
+@functools.cache
+def _synthetic(seed: int) -> tuple[list[Utterance], np.ndarray, np.ndarray]:
+    """The small synthetic corpus, rendered once per process (3 s; a run reads it for each split)
+    and never written to the cache folder. Its samples are read-only, as the cached corpora's are."""
+    utterances = plan("synthetic", SIZES["synthetic"], seed)
+    clips = [render(u) for u in utterances]
+    samples = np.concatenate(clips)
+    samples.flags.writeable = False
+    return utterances, samples, np.cumsum([0] + [len(c) for c in clips])
 
 
 def _examples(utterances: list[Utterance], samples: np.ndarray, offsets: np.ndarray, name: str) -> dict:
