@@ -1,5 +1,6 @@
 """What several test files share: the CLI through Typer's runner, text helpers, a run's logged
-losses, a tiny body's settings and a pretrained decoder built from a checkpoint.
+losses, a tiny body's settings, a pretrained decoder built from a checkpoint and its check
+against what transformers gave on the same file.
 
 Imported as `from helpers import apps, plain`; tests/conftest.py has already set up JAX (eight
 simulated CPU devices, strict rank promotion) before any test module imports this one.
@@ -41,7 +42,8 @@ def table_rows(output: str) -> list[list[str]]:
 
 def pretrained_decoder(name_or_path: str):
     """(checkpoint, model, load report) of a pretrained decoder: its token embedder, body and
-    tied output, filled from the checkpoint."""
+    tied output, filled from the checkpoint. Built abstractly and then filled: drawing random
+    weights that the checkpoint replaces would cost Gemma 3 a quarter of a minute."""
     from flax import nnx
 
     from core.checkpoints import pretrained
@@ -49,7 +51,43 @@ def pretrained_decoder(name_or_path: str):
     from core.model.transformer import Model, Transformer
 
     checkpoint = pretrained.read_checkpoint(name_or_path)
-    rngs = nnx.Rngs(0)
-    embedder = TokenEmbedder(checkpoint.vocab_size, checkpoint.model.d_model, rngs=rngs)
-    model = Model(embedder, Transformer(checkpoint.model, rngs=rngs), TiedOutput(embedder))
-    return checkpoint, model, pretrained.load(model, name_or_path)
+
+    def build():
+        rngs = nnx.Rngs(0)
+        embedder = TokenEmbedder(checkpoint.vocab_size, checkpoint.model.d_model, rngs=rngs)
+        return Model(embedder, Transformer(checkpoint.model, rngs=rngs), TiedOutput(embedder))
+
+    model = nnx.eval_shape(build)
+    report = pretrained.load(model, name_or_path)
+    assert not report.new, f"{name_or_path} leaves parameters unfilled: {report.new}"
+    return checkpoint, model, report
+
+
+def check_against_reference(model, reference) -> None:
+    """Every position's logits on the reference's vocabulary columns, their log-sum-exp and
+    argmax, and 16 greedy tokens, for each of the reference's three prompts, as transformers gave
+    them reading the same file in float32 (tests/fixtures/decoder_reference.md). The prompts run
+    as one batch, padded on the right (a causal model's positions never see what follows them):
+    one compiled forward pass and one generation."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from core.generation import generate
+
+    prompts = [reference[f"ids_{i}"] for i in range(3)]
+    tokens = np.zeros((len(prompts), max(map(len, prompts))), np.int32)
+    for row, ids in enumerate(prompts):
+        tokens[row, : len(ids)] = ids
+    mask = np.arange(tokens.shape[1])[None, :] < np.array([len(ids) for ids in prompts])[:, None]
+    forward = nnx.jit(lambda model, tokens, mask: model({"inputs": tokens, "mask": mask}).logits())
+    batch = np.asarray(forward(model, jnp.asarray(tokens), jnp.asarray(mask)))
+    greedy = generate.generate(model, prompts, max_new_tokens=16)
+    columns = reference["columns"]
+    for i, ids in enumerate(prompts):
+        logits = batch[i, : len(ids)]
+        np.testing.assert_allclose(logits[:, columns], reference[f"logits_{i}"], atol=2e-3, rtol=1e-3)
+        np.testing.assert_allclose(jax.nn.logsumexp(logits, -1), reference[f"logsumexp_{i}"], atol=2e-3)
+        np.testing.assert_array_equal(logits.argmax(-1), reference[f"argmax_{i}"])
+        np.testing.assert_array_equal(greedy.tokens[i], reference[f"greedy_{i}"])
