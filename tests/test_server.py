@@ -224,6 +224,34 @@ def test_log_probabilities_in_both_shapes_streamed_or_not(server):
         assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
 
 
+def test_logit_bias_and_penalties_steer_the_answer(server, tiny):
+    """A token biased by +100 is every token greedy decoding gives, one biased by -100 never
+    comes; a frequency penalty makes a greedy answer repeat itself less; bad values are named."""
+    url, _ = server
+    tokenizer = PretrainedTokenizer.from_checkpoint(str(tiny))
+    ask = dict(model="tiny.gguf", prompt="the", max_tokens=12, temperature=0)
+    plain = client(url).completions.create(**ask, logprobs=0).choices[0]
+    forced = tokenizer.pieces(["cat"])[0][-1]
+    answer = client(url).completions.create(**ask, logit_bias={str(forced): 100}).choices[0]
+    assert answer.text == tokenizer.decode([forced] * 12)
+    first = plain.logprobs.tokens[0]
+    banned = next(i for i in range(tokenizer.vocab_size) if tokenizer.decode([i]) == first)
+    avoided = client(url).completions.create(**ask, logprobs=0, logit_bias={str(banned): -100}).choices[0]
+    assert first not in avoided.logprobs.tokens and avoided.text != plain.text
+    varied = client(url).completions.create(**ask, logprobs=0, frequency_penalty=2.0).choices[0]
+    assert len(set(varied.logprobs.tokens)) > len(set(plain.logprobs.tokens))
+    for body, param in [
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"logit_bias": {str(10**6): 1}}, "logit_bias"),
+        ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
+    ]:
+        response = httpx.post(f"{url}/v1/completions", json={"prompt": "a", **body}, headers=auth())
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+
+
 def test_a_stop_sequence_and_seeded_sampling(server):
     url, _ = server
     whole = client(url).completions.create(model="tiny.gguf", prompt="a b c", max_tokens=10, temperature=0).choices[0]

@@ -87,6 +87,68 @@ def test_log_probabilities_are_the_models_at_the_chosen_tokens():
                 assert sum(np.exp(p) for _, p in scores.top) <= 1 + 1e-5
 
 
+def steered_by_hand(model, prompt, new, bias=None, presence=0.0, frequency=0.0):
+    """Greedy tokens, each chosen from the full forward pass's logits with `bias` {id: value}
+    added and, for each token generated so far, `frequency` subtracted per time and `presence`
+    once (OpenAI's definition); with each token the log-softmax of its steered logits."""
+    ids, counts, chosen = list(prompt), np.zeros(VOCAB), []
+    for _ in range(new):
+        logits = np.asarray(full_logits(model, [ids])[0, -1], np.float64)
+        for token, value in (bias or {}).items():
+            logits[token] += value
+        logits -= frequency * counts + presence * (counts > 0)
+        token = int(np.argmax(logits))
+        chosen.append((token, float(np.asarray(jax.nn.log_softmax(logits))[token])))
+        ids.append(token)
+        counts[token] += 1
+    return chosen
+
+
+def test_logit_bias_and_penalties_steer_each_request_as_by_hand_and_no_other():
+    """A request with a logit bias and penalties, one with penalties alone and a plain one share
+    two slots (the plain one takes a steered request's slot when it ends): the steered ones give
+    the tokens and log-probabilities chosen by hand from the full forward pass, and the plain one
+    what it gives alone, with nothing left over from the slot's last request."""
+    model = language_model()
+    plain = list(generate(model, [PROMPTS[2]], max_new_tokens=8).tokens[0])
+    bias = {plain[0]: -5.0, 7: 2.5}  # the plain first choice pushed down, another pulled up
+    steered = [
+        dict(logit_bias=bias, frequency_penalty=0.8),
+        dict(presence_penalty=1.5, frequency_penalty=-0.3),
+    ]
+    lengths = [5, 12, 8]
+    collectors = [Collector() for _ in lengths]
+    requests = [
+        Request(PROMPTS[2], lengths[0], collectors[0], logprobs=0, **steered[0]),
+        Request(PROMPTS[1], lengths[1], collectors[1], logprobs=0, **steered[1]),
+        Request(PROMPTS[2], lengths[2], collectors[2]),
+    ]
+    run_all(Engine(model, slots=2), requests, collectors)
+    for request, collector, options in zip(requests, collectors, steered):
+        expected = steered_by_hand(
+            model,
+            request.prompt,
+            request.max_new,
+            request.logit_bias,
+            request.presence_penalty,
+            request.frequency_penalty,
+        )
+        assert collector.tokens == [token for token, _ in expected], options
+        assert [s.logprob for s in collector.scores] == pytest.approx([p for _, p in expected], abs=1e-4)
+    unsteered = [token for token, _ in steered_by_hand(model, PROMPTS[1], 12)]
+    assert len(set(collectors[1].tokens)) > len(set(unsteered))  # it repeats itself less
+    assert collectors[0].tokens[0] != plain[0]
+    assert collectors[2].tokens == plain
+
+
+def test_a_logit_bias_past_its_bounds_is_refused():
+    engine = Engine(language_model(), slots=1)
+    with pytest.raises(ValueError, match="outside the vocabulary's 50 ids"):
+        engine.submit(Request([1], 2, Collector(), logit_bias={VOCAB: 1.0}))
+    with pytest.raises(ValueError, match="at most 300 tokens"):
+        engine.submit(Request([1], 2, Collector(), logit_bias={i: 1.0 for i in range(301)}))
+
+
 def test_a_step_over_the_leading_rows_alone_gives_what_a_step_over_all_gives():
     """Six slots compile steps over their first 1, 2 and all 6 rows. The longest request sits in
     slot 0, so once the others end it steps alone in the one-row program; its tokens, and the

@@ -5,12 +5,18 @@ Each slot samples with its own settings (temperature, nucleus, seed): greedy whe
 temperature is 0, else a draw from the softmax of the logits over the temperature, cut to the
 nucleus of `top_p`, with the key folded from the request's seed and its token count, so a
 request gives the same tokens whichever slot it lands in and whatever runs beside it.
+
+Before it chooses, a slot's logits are steered as OpenAI's API defines it: its request's
+`logit_bias` added, and for each token it has generated so far `frequency_penalty` subtracted
+once per time and `presence_penalty` once. The engine keeps each slot's bias and token counts
+on the device (`Steering`), so a step reads no history from the host.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -24,15 +30,97 @@ HELD = 8
 NO_ID = 2**31 - 1
 # The most alternatives a request's log-probabilities may list (OpenAI's top_logprobs bound).
 TOP = 20
+# The most token ids a request's logit_bias may name (OpenAI's bound).
+BIASED = 300
 
 
-def pick(logits, temperature, top_p, seed, count, held, wants):
-    """`_choose`'s tokens [S] and, for the rows that `wants` them, their log-probabilities under
-    the distribution each was drawn from (its temperature and nucleus; the model's own at
-    temperature 0): the chosen token's [S] and the TOP most likely ids [S, TOP] with theirs.
-    Only computed when some row asks (a real branch on the CPU, as `_choose`'s)."""
-    logits = logits.at[jnp.arange(logits.shape[0])[:, None], held].set(-jnp.inf, mode="drop")
-    token = _choose(logits, temperature, top_p, seed, count)
+class Settings(NamedTuple):
+    """Each row's sampling settings as a compiled step takes them: arrays of one value per row
+    ([S]; `held` [S, HELD])."""
+
+    temperature: np.ndarray
+    top_p: np.ndarray
+    seed: np.ndarray
+    count: np.ndarray  # the tokens the row's request has had, which folds its sampling key
+    held: np.ndarray  # the ids it may not draw next (`held_ids`)
+    wants: np.ndarray  # whether it asks for log-probabilities
+    presence: np.ndarray
+    frequency: np.ndarray
+    steered: np.ndarray  # whether its logits are steered at all (a bias or a penalty)
+
+
+def settings(requests: Sequence, counts: Sequence[int]) -> Settings:
+    """The `Settings` of `requests` (the engine's `Request`s) that have had `counts` tokens."""
+
+    def each(read, dtype):
+        return np.array([read(r) for r in requests], dtype)
+
+    return Settings(
+        temperature=each(lambda r: r.temperature, np.float32),
+        top_p=each(lambda r: r.top_p, np.float32),
+        seed=each(lambda r: r.seed, np.uint32),
+        count=np.asarray(counts, np.int32),
+        held=held_ids(requests, counts),
+        wants=each(lambda r: r.logprobs is not None, bool),
+        presence=each(lambda r: r.presence_penalty, np.float32),
+        frequency=each(lambda r: r.frequency_penalty, np.float32),
+        steered=each(lambda r: bool(r.logit_bias) or r.presence_penalty != 0 or r.frequency_penalty != 0, bool),
+    )
+
+
+class Steering(NamedTuple):
+    """Per slot, on the device: its request's logit bias [S, V] and how many times the request
+    has generated each token [S, V], which its penalties weigh."""
+
+    bias: jax.Array
+    counts: jax.Array
+
+    @classmethod
+    def empty(cls, slots: int, vocab_size: int) -> Steering:
+        return cls(jnp.zeros((slots, vocab_size), jnp.float32), jnp.zeros((slots, vocab_size), jnp.int32))
+
+    def begin(self, slot, ids, values) -> Steering:
+        """Row `slot` for a new request whose bias is `values` at `ids` (padded with NO_ID)."""
+        row = jnp.zeros(self.bias.shape[1], jnp.float32).at[ids].set(values, mode="drop")
+        return Steering(self.bias.at[slot].set(row), self.counts.at[slot].set(0))
+
+    def tally(self, tokens, active) -> Steering:
+        """Counts each active leading row's new token [R]."""
+        rows = jnp.arange(tokens.shape[0])
+        return self._replace(counts=self.counts.at[rows, tokens].add(active.astype(jnp.int32)))
+
+
+def bias_of(request) -> tuple[np.ndarray, np.ndarray]:
+    """A request's logit_bias as (ids, values) [BIASED], padded with NO_ID."""
+    ids, values = np.full(BIASED, NO_ID, np.int32), np.zeros(BIASED, np.float32)
+    ids[: len(request.logit_bias)] = list(request.logit_bias)
+    values[: len(request.logit_bias)] = list(request.logit_bias.values())
+    return ids, values
+
+
+def steered(logits: jax.Array, settings: Settings, steering: Steering) -> jax.Array:
+    """Logits [R, V] of the leading rows, with their bias and penalties, computed only when some
+    row is steered (a row that is not has a zero bias and zero penalties: its logits unchanged)."""
+
+    def apply():
+        rows = logits.shape[0]
+        counts = steering.counts[:rows].astype(logits.dtype)
+        penalty = settings.frequency[:, None] * counts + settings.presence[:, None] * (counts > 0)
+        return logits + steering.bias[:rows] - penalty
+
+    return jax.lax.cond(jnp.any(settings.steered), apply, lambda: logits)
+
+
+def pick(logits: jax.Array, settings: Settings, steering: Steering):
+    """`_choose`'s tokens [R] from the leading rows' logits [R, V], steered, and for the rows
+    that want them their log-probabilities under the distribution each was drawn from (its
+    steered logits at its temperature and nucleus): the chosen token's [R] and the TOP most
+    likely ids [R, TOP] with theirs. Only computed when some row asks (a real branch on the CPU,
+    as `_choose`'s)."""
+    temperature, top_p = settings.temperature, settings.top_p
+    logits = steered(logits, settings, steering)
+    logits = logits.at[jnp.arange(logits.shape[0])[:, None], settings.held].set(-jnp.inf, mode="drop")
+    token = _choose(logits, temperature, top_p, settings.seed, settings.count)
 
     def scored():
         drawn = temperature > 0
@@ -45,7 +133,7 @@ def pick(logits, temperature, top_p, seed, count, held, wants):
 
     rows = logits.shape[0]
     none = jnp.zeros(rows), jnp.zeros((rows, TOP), jnp.int32), jnp.zeros((rows, TOP))
-    return token, jax.lax.cond(jnp.any(wants), scored, lambda: none)
+    return token, jax.lax.cond(jnp.any(settings.wants), scored, lambda: none)
 
 
 def _choose(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, seed: jax.Array, count: jax.Array):

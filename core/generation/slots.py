@@ -8,8 +8,8 @@ per step, each row at its own position (`Cache.lengths`). A finished, failed or 
 request frees its slot at once and a waiting one takes it before the next step: one long
 request never holds short ones back, and the step's batch is as full as the load allows.
 
-Each slot samples with its own settings, and may ask for its tokens' log-probabilities
-(`core.generation.slot_sampling`).
+Each slot samples with its own settings, steered by its own logit bias and penalties, and may
+ask for its tokens' log-probabilities (`core.generation.slot_sampling`).
 
 One engine thread owns the cache and runs every compiled call; callers submit from any thread
 and receive tokens through their request's `emit` callback, on the engine thread.
@@ -22,6 +22,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import jax
@@ -30,7 +31,7 @@ import numpy as np
 from flax import nnx
 
 from core.generation.generate import COMPILER_OPTIONS, logits_of
-from core.generation.slot_sampling import HELD, Scores, held_ids, pick, scored
+from core.generation.slot_sampling import BIASED, HELD, Scores, Steering, bias_of, pick, scored, settings
 from core.model.precision import narrowed
 from core.model.transformer import Model
 from core.training.data import bucket_width
@@ -56,6 +57,9 @@ class Request:
     stop_ids: frozenset[int] = frozenset()
     min_new: int = 0
     logprobs: int | None = None  # with each token its log-probability and this many alternatives
+    presence_penalty: float = 0.0  # subtracted from the logit of each token generated so far
+    frequency_penalty: float = 0.0  # subtracted once per time it was generated
+    logit_bias: Mapping[int, float] = field(default_factory=dict)  # added to these ids' logits
     submitted: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -88,6 +92,7 @@ class Engine:
         cache_dtype = jax.eval_shape(lambda: model.embedder(*probe)[0]).dtype
         self.vocab_size = jax.eval_shape(lambda: logits_of(model, model.embedder(*probe)[0])).shape[-1]
         self.cache = jax.device_put(model.body.init_cache(slots, self.context, cache_dtype), device)
+        self.steering = jax.device_put(Steering.empty(slots, self.vocab_size), device)
         self.waiting: queue.Queue[Request] = queue.Queue(maxsize=queue_size)
         self.active: list[Request | None] = [None] * slots
         self.counts = np.zeros(slots, np.int32)  # tokens each slot's request has had
@@ -96,47 +101,52 @@ class Engine:
         self.on_step: Callable[[int], None] | None = None  # told each step's active slots (a server's metrics)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._prefill = jax.jit(self._prefill_into, donate_argnums=1, compiler_options=COMPILER_OPTIONS)
-        self._step = jax.jit(self._decode_rows, static_argnums=0, donate_argnums=2, compiler_options=COMPILER_OPTIONS)
+        self._prefill = jax.jit(self._prefill_into, donate_argnums=(1, 2), compiler_options=COMPILER_OPTIONS)
+        self._step = jax.jit(
+            self._decode_rows, static_argnums=0, donate_argnums=(2, 3), compiler_options=COMPILER_OPTIONS
+        )
 
     # The compiled programs ------------------------------------------------------------------
 
-    def _prefill_into(self, params, cache, tokens, length, slot, sampling):
-        """Prompt tokens [1, W] (length real ones) into row `slot` of the cache -> (its first
-        token, the cache)."""
+    def _prefill_into(self, params, cache, steering, tokens, length, slot, sampling, bias):
+        """Prompt tokens [1, W] (length real ones) into row `slot` of the cache, and the
+        request's `bias` (ids, values) into the slot's steering -> (its first token, its scores,
+        the cache, the steering)."""
         model = nnx.merge(self.graphdef, params)
         row = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=0), cache)
         x, mask = model.embedder(tokens, jnp.arange(tokens.shape[1])[None, :] < length)
         hidden, row = model.body.prefill(x, mask, row)
         logits = logits_of(model, jnp.take_along_axis(hidden, (length - 1).reshape(1, 1, 1), axis=1))[0]
         cache = jax.tree.map(lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r, slot, axis=0), cache, row)
-        temperature, top_p, seed, held, wants = sampling
-        row = (jnp.atleast_1d(v) for v in (temperature, top_p, seed, jnp.int32(0)))
-        token, scores = pick(logits[None], *row, held[None], jnp.atleast_1d(wants))
-        return token[0], jax.tree.map(lambda a: a[0], scores), cache
+        # The slot's steering row, moved to the front for `pick`, which steers the leading rows.
+        steering = steering.begin(slot, *bias)
+        first = Steering(*(jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=0) for a in steering))
+        token, scores = pick(logits[None], sampling, first)
+        steering = steering._replace(counts=steering.counts.at[slot, token[0]].add(1))
+        return token[0], jax.tree.map(lambda a: a[0], scores), cache, steering
 
-    def _decode_rows(self, rows, params, cache, tokens, active, temperature, top_p, seed, count, held, wants):
-        """`_decode_step` on the cache's first `rows` rows alone (every argument after the cache
-        is of those rows): a step costs what its rows cost, so a few active slots in the
-        lowest rows (where `_admit` puts requests) step at the price of a few."""
-        settings = temperature, top_p, seed, count, held, wants
+    def _decode_rows(self, rows, params, cache, steering, tokens, active, sampling):
+        """`_decode_step` on the cache's first `rows` rows alone (every argument after the
+        steering is of those rows): a step costs what its rows cost, so a few active slots in
+        the lowest rows (where `_admit` puts requests) step at the price of a few. (The steering
+        is read and counted in place, by row: only the cache's rows are copied out and back.)"""
         if rows == self.slots:
-            return self._decode_step(params, cache, tokens, active, *settings)
+            return self._decode_step(params, cache, steering, tokens, active, sampling)
         part = jax.tree.map(lambda a: a[:rows], cache)
-        tokens, scores, part = self._decode_step(params, part, tokens, active, *settings)
+        tokens, scores, part, steering = self._decode_step(params, part, steering, tokens, active, sampling)
         cache = jax.tree.map(lambda a, p: jax.lax.dynamic_update_slice_in_dim(a, p, 0, axis=0), cache, part)
-        return tokens, scores, cache
+        return tokens, scores, cache, steering
 
-    def _decode_step(self, params, cache, tokens, active, temperature, top_p, seed, count, held, wants):
+    def _decode_step(self, params, cache, steering, tokens, active, sampling):
         """One token for every slot [S] -> (the next token of each, their log-probabilities
-        where wanted, the cache); an idle slot computes at position 0, so its row never runs
-        past the context."""
+        where wanted, the cache, the steering with the new tokens counted); an idle slot
+        computes at position 0, so its row never runs past the context."""
         model = nnx.merge(self.graphdef, params)
         cache = cache._replace(lengths=jnp.where(active, cache.lengths, 0))
         x, _ = model.embedder(tokens[:, None], jnp.ones((tokens.shape[0], 1), bool))
         hidden, cache = model.body.extend(x, cache)
-        logits = logits_of(model, hidden)
-        return *pick(logits, temperature, top_p, seed, count, held, wants), cache
+        tokens, scores = pick(logits_of(model, hidden), sampling, steering)
+        return tokens, scores, cache, steering.tally(tokens, active)
 
     # Running ---------------------------------------------------------------------------------
 
@@ -178,6 +188,10 @@ class Engine:
     def submit(self, request: Request) -> None:
         if request.min_new and len(request.stop_ids) > HELD:
             raise ValueError(f"min_new holds back at most {HELD} stop ids; the request has {len(request.stop_ids)}")
+        if len(request.logit_bias) > BIASED:
+            raise ValueError(f"logit_bias names at most {BIASED} tokens; the request names {len(request.logit_bias)}")
+        if any(not 0 <= i < self.vocab_size for i in request.logit_bias):
+            raise ValueError(f"logit_bias names a token outside the vocabulary's {self.vocab_size} ids")
         if len(request.prompt) + request.max_new > self.context:
             raise ValueError(
                 f"{len(request.prompt)} prompt tokens and {request.max_new} new ones exceed the {self.context} "
@@ -246,15 +260,15 @@ class Engine:
         width = bucket_width(len(prompt), self.context - 1)
         tokens = np.zeros((1, width), np.int32)
         tokens[0, : len(prompt)] = prompt
-        settings = (
-            jnp.float32(request.temperature),
-            jnp.float32(request.top_p),
-            jnp.uint32(request.seed),
-            held_ids([request], [0])[0],
-            jnp.bool_(request.logprobs is not None),
-        )
-        token, scores, self.cache = self._prefill(
-            self.params, self.cache, tokens, jnp.int32(len(prompt)), jnp.int32(slot), settings
+        token, scores, self.cache, self.steering = self._prefill(
+            self.params,
+            self.cache,
+            self.steering,
+            tokens,
+            jnp.int32(len(prompt)),
+            jnp.int32(slot),
+            settings([request], [0]),
+            bias_of(request),
         )
         self.prefills += 1
         return int(token), scored(request, *(np.asarray(a) for a in scores))
@@ -273,18 +287,14 @@ class Engine:
         last = int(np.flatnonzero(active)[-1]) + 1 if active.any() else 1
         rows = next(n for n in self.row_counts() if n >= last)
         requests = [r if r is not None else Request((), 1, lambda *_: None) for r in self.active[:rows]]
-        tokens, scores, self.cache = self._step(
+        tokens, scores, self.cache, self.steering = self._step(
             rows,
             self.params,
             self.cache,
+            self.steering,
             self.last[:rows],
             active[:rows],
-            np.array([r.temperature for r in requests], np.float32),
-            np.array([r.top_p for r in requests], np.float32),
-            np.array([r.seed for r in requests], np.uint32),
-            self.counts[:rows],
-            held_ids(requests, self.counts[:rows]),
-            np.array([r.logprobs is not None for r in requests]),
+            settings(requests, self.counts[:rows]),
         )
         self.steps += 1
         found = np.zeros(self.slots, np.int32)

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from core.errors import UserError
+from core.generation.slot_sampling import BIASED
 from core.options import PredictOptionError
 
 log = logging.getLogger("apps")
@@ -78,6 +79,18 @@ def encodable(value: Any) -> Any:
 Text = Annotated[str, AfterValidator(encodable)]
 
 
+def token_biases(value: dict[str, float]) -> dict[str, float]:
+    """A logit_bias as OpenAI's API takes it: token ids (JSON's keys are text) to -100..100."""
+    if len(value) > BIASED:
+        raise ValueError(f"names {len(value)} tokens, more than {BIASED}")
+    for key, bias in value.items():
+        if not (key.isascii() and key.isdigit()):
+            raise ValueError(f"{key!r} is not a token id")
+        if not -100 <= bias <= 100:
+            raise ValueError(f"token {key}: {bias} is outside -100 to 100")
+    return value
+
+
 class Strict(BaseModel):
     """A request body whose unknown fields are refused (a misspelt option should not pass
     silently) and whose values have JSON's types as given."""
@@ -127,6 +140,9 @@ class Sampling(Strict):
     # As vLLM's and llama-cpp-python's servers take it: the model's end tokens cannot be drawn
     # before this many new tokens (min_tokens = max_tokens fixes a load benchmark's output lengths).
     min_tokens: int = Field(default=0, ge=0)
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
+    logit_bias: Annotated[dict[str, float], AfterValidator(token_biases)] | None = None
     user: Text | None = None
     stream_options: StreamOptions | None = None
 

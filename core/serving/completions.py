@@ -78,6 +78,12 @@ class Completions:
                 "n" if body.n > 1 else "prompt",
             )
         max_new = _max_new_tokens(engine.context, body, prompts, kind)
+        bias = {int(token): value for token, value in (body.logit_bias or {}).items()}
+        if any(token >= engine.vocab_size for token in bias):
+            outside = max(bias)
+            raise ApiError(
+                400, f"logit_bias: token {outside} is outside the model's {engine.vocab_size} ids.", "logit_bias"
+            )
         alternatives, chat = body.wanted_logprobs(), kind == "chat.completion"
         seed = body.seed if body.seed is not None else secrets.randbits(31)
         events: asyncio.Queue = asyncio.Queue()  # every choice's new text, as it comes (for streaming)
@@ -96,6 +102,9 @@ class Completions:
                 stop_ids=frozenset(featurizer.tokenizer.stop_ids),
                 min_new=body.min_tokens,
                 logprobs=alternatives,
+                presence_penalty=body.presence_penalty,
+                frequency_penalty=body.frequency_penalty,
+                logit_bias=bias,
             )
             choices.append(choice)
         try:
