@@ -3,8 +3,9 @@
 `core/checkpoints/gemma.py`), each an `Architecture` registered here.
 
 A GGUF file holds its configuration (`ARCH.*` keys), its tokenizer (`tokenizer.ggml.*`) and its
-tensors, quantized or not; the `gguf` package reads all three, and `gguf.quants.dequantize`
-turns the tensors into float32 numpy arrays shaped as Hugging Face's ([out, in] for a linear
+tensors, quantized or not; `core.checkpoints.gguf_reader` reads all three (the `gguf` package's
+reader takes 15 s over Gemma's vocabulary), and `gguf.quants.dequantize` turns the tensors into
+float32 numpy arrays shaped as Hugging Face's ([out, in] for a linear
 weight). The output layer is the token embedding itself (tied), which a task reads through
 `core.model.heads.TiedOutput`; a file with an output matrix of its own is refused.
 
@@ -24,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from core.checkpoints.gguf_reader import GGUFFile
 from core.checkpoints.pretrained import Checkpoint, Family
 from core.checkpoints.rules import Rule
 from core.config import ModelConfig
@@ -38,35 +40,27 @@ def stamp(path: Path) -> tuple[int, int]:
     return status.st_size, status.st_mtime_ns
 
 
-def reader(path: Path):
-    """A `gguf.GGUFReader` of the file (memory-mapped); its problems as `UserError`s."""
+def reader(path: Path) -> GGUFFile:
+    """The file's metadata and tensor table (its data memory-mapped); its problems as `UserError`s."""
     return _reader(path, stamp(path))
 
 
 @functools.cache
-def _reader(path: Path, stamp: tuple[int, int]):
-    from gguf import GGUFReader
-
+def _reader(path: Path, stamp: tuple[int, int]) -> GGUFFile:
     try:
-        return GGUFReader(path)
-    except (ValueError, OSError, IndexError) as error:
+        return GGUFFile(path)
+    except (ValueError, KeyError, OSError) as error:
         raise UserError(f"{path} is not a readable GGUF file ({error}); copy or download it again.") from None
 
 
 def field(path: Path, key: str, default=None):
-    """The metadata value `key` of the file (read once: a vocabulary is 262,144 strings); a
-    missing one is an error unless it has a default."""
-    return _field(path, stamp(path), key, default)
-
-
-@functools.cache
-def _field(path: Path, stamp: tuple[int, int], key: str, default):
+    """The metadata value `key` of the file; a missing one is an error unless it has a default."""
     found = reader(path).fields.get(key)
     if found is None:
         if default is None:
             raise UserError(f"{path}: the GGUF metadata lacks {key}.")
         return default
-    return found.contents()
+    return found
 
 
 def numpy_shape(tensor) -> tuple[int, ...]:
