@@ -36,6 +36,40 @@ def test_unpermute_inverts_the_converters_row_order():
     np.testing.assert_array_equal(llama_cpp_permute(weight, 3)[:8, 0], weight[[0, 4, 1, 5, 2, 6, 3, 7], 0])
 
 
+def test_the_reader_gives_what_the_gguf_packages_reader_gives(tmp_path):
+    """Every field (texts, numbers, booleans, arrays of each) and every tensor (float32, float16
+    and Q8_0, as the views that `gguf.quants.dequantize` takes) of a file that gguf's writer wrote."""
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+    from gguf.quants import dequantize, quantize
+
+    from core.checkpoints.gguf_reader import GGUFFile
+
+    path = tmp_path / "mixed.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_string("some.text", "héllo")
+    writer.add_uint32("some.count", 7)
+    writer.add_float32("some.epsilon", 1e-5)
+    writer.add_bool("some.flag", True)
+    writer.add_array("some.words", ["a", "bc", "", "😀"])
+    writer.add_array("some.scores", [0.5, -1.25])
+    weight = np.random.default_rng(0).standard_normal((4, 64)).astype(np.float32)
+    writer.add_tensor("f32", weight)
+    writer.add_tensor("f16", weight.astype(np.float16))
+    q8 = GGMLQuantizationType.Q8_0
+    writer.add_tensor("q8", quantize(weight, q8), raw_dtype=q8)
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
+        write()
+    writer.close()
+    ours, theirs = GGUFFile(path), GGUFReader(path)
+    assert ours.fields == {k: f.contents() for k, f in theirs.fields.items() if not k.startswith("GGUF.")}
+    assert ours.fields["some.words"] == ["a", "bc", "", "😀"] and ours.fields["some.flag"] is True
+    for mine, gguf_own in zip(ours.tensors, theirs.tensors, strict=True):
+        assert (mine.name, mine.tensor_type, mine.shape.tolist()) == (gguf_own.name, gguf_own.tensor_type, [64, 4])
+        np.testing.assert_array_equal(mine.data, gguf_own.data)
+        assert mine.data.dtype == gguf_own.data.dtype and mine.data.shape == gguf_own.data.shape
+        np.testing.assert_allclose(dequantize(mine.data, mine.tensor_type).reshape(4, 64), weight, atol=0.02)
+
+
 def test_a_file_that_is_not_gguf(tmp_path):
     path = tmp_path / "model.gguf"
     path.write_bytes(b"not a gguf file at all" * 10)

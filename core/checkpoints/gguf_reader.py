@@ -5,8 +5,8 @@ vocabulary (262,144 strings, their scores and types) takes it 15 s of a CPU, eve
 process opens the file. Here the same layout (llama.cpp's docs/gguf.md: a header, the key-value
 pairs, the tensor table, then the aligned tensor data) is read with `struct` in a fraction of a
 second, and each tensor's data stays a view of the memory-mapped file, as `gguf`'s is, in the
-form `gguf.quants.dequantize` takes: float32 or float16 values, or a quantized type's bytes,
-one row of them per row of the tensor.
+form `gguf.quants.dequantize` takes and shaped as `gguf`'s (numpy's order): float32 or float16
+values, or a quantized type's bytes, one row of them per row of the tensor.
 """
 
 from __future__ import annotations
@@ -108,10 +108,11 @@ class GGUFFile:
         if start + size > len(self._buffer):
             raise ValueError(f"tensor {name} runs past the end of the file")
         data = np.frombuffer(self._buffer, np.uint8, size, start)
+        shape = tuple(reversed(dims))  # numpy's order: the innermost dimension last
         if tensor_type == GGMLQuantizationType.F32:
-            data = data.view(np.float32)
+            data = data.view(np.float32).reshape(shape)
         elif tensor_type == GGMLQuantizationType.F16:
-            data = data.view(np.float16)
+            data = data.view(np.float16).reshape(shape)
         else:  # a quantized type's bytes, a row of them per row of the tensor
-            data = data.reshape(count // dims[0], dims[0] // block * block_bytes)
+            data = data.reshape(*shape[:-1], shape[-1] // block * block_bytes)
         return Tensor(name, np.asarray(dims), tensor_type, data)
