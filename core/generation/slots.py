@@ -21,8 +21,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import jax
