@@ -550,8 +550,9 @@ def test_a_full_queue_is_503_and_sigterm_finishes_the_requests_in_flight_then_ex
         while metric(url, "apps_busy_slots", model="tiny.gguf") == 0:
             assert thread.is_alive()
             time.sleep(0.01)
-        # One choice in the slot, three waiting: two more make one more than the queue holds, for now.
-        refused = httpx.post(f"{url}/v1/completions", json={"prompt": "the", "max_tokens": 120, "n": 2}, timeout=60)
+        # One choice in the slot, three waiting: four more do not fit beside any of them (so the
+        # answer holds until the last of the three has taken the slot, on a loaded machine too).
+        refused = httpx.post(f"{url}/v1/completions", json={"prompt": "the", "max_tokens": 120, "n": 4}, timeout=60)
         assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
         assert refused.json()["error"]["type"] == "overloaded"
         # Five could never wait together, however idle the server: no retry would help.
