@@ -80,10 +80,13 @@ class Featurizer(Protocol):
 
 class ChatTokenizer(Protocol):
     """What the server reads of a completing featurizer's tokenizer: its chat template (None:
-    the model takes no conversations) and the ids that end a generation."""
+    the model takes no conversations), the ids that end a generation, and itself as a Hugging
+    Face tokenizer.json, for answers kept to a grammar (None where it is none)."""
 
     chat_template: str | None
     stop_ids: Sequence[int]
+
+    def tokenizer_json(self) -> str | None: ...
 
 
 class CompletingFeaturizer(Featurizer, Protocol):

@@ -252,6 +252,77 @@ def test_logit_bias_and_penalties_steer_the_answer(server, tiny):
         assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
 
 
+# Every string bounded in bytes (a pattern), so that any answer ends within the tiny model's context.
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "pattern": "^[a-z]{1,6}$"},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "mood": {"enum": ["calm", "glad", "tired"]},
+        "tags": {"type": "array", "items": {"type": "string", "pattern": "^[a-z]{1,5}$"}, "maxItems": 2},
+    },
+    "required": ["name", "age", "mood", "tags"],
+    "additionalProperties": False,
+}
+
+
+def test_structured_answers_parse_and_follow_their_schema(server, tiny):
+    """Twenty prompts, greedy and sampled, completions and chat, all at once, each answer kept to
+    a JSON schema: every one parses, validates and ends with its grammar ("stop"); a json_object
+    answer is a JSON object; a plain request among them answers as it does alone; bad formats
+    are refused by name."""
+    import concurrent.futures
+
+    import jsonschema
+
+    url, _ = server
+    person = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    plain_ask = dict(model="tiny.gguf", prompt="the", max_tokens=12, temperature=0)
+    alone = client(url).completions.create(**plain_ask).choices[0].text
+
+    def ask(i: int):
+        sampling = dict(temperature=0) if i % 2 else dict(temperature=1.0, seed=i)
+        if i % 3 == 0:
+            messages = [{"role": "user", "content": f"p{i}"}]
+            answer = client(url).chat.completions.create(
+                model="tiny.gguf", messages=messages, max_tokens=100, response_format=person, **sampling
+            )
+            return answer.choices[0].message.content, answer.choices[0].finish_reason
+        answer = client(url).completions.create(
+            model="tiny.gguf", prompt=f"p{i}", max_tokens=100, extra_body={"response_format": person}, **sampling
+        )
+        return answer.choices[0].text, answer.choices[0].finish_reason
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        plain_answer = pool.submit(lambda: client(url).completions.create(**plain_ask).choices[0].text)
+        answers = list(pool.map(ask, range(20)))
+    for text, reason in answers:
+        jsonschema.validate(json.loads(text), PERSON)
+        assert reason == "stop", text
+    assert len({text for text, _ in answers}) > 5 and plain_answer.result() == alone
+    closing = PretrainedTokenizer.from_checkpoint(str(tiny)).pieces(["}"])[0][-1]
+    anything = client(url).chat.completions.create(
+        model="tiny.gguf",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=60,
+        temperature=0,
+        response_format={"type": "json_object"},
+        extra_body={"logit_bias": {str(closing): 30}},  # "}" pushed up: the object closes within the tokens
+    )
+    assert isinstance(json.loads(anything.choices[0].message.content), dict)
+    for body, param in [
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
+            "response_format",
+        ),
+        ({"response_format": {"type": "json_object"}, "min_tokens": 3}, "min_tokens"),
+    ]:
+        response = httpx.post(f"{url}/v1/completions", json={"prompt": "a", **body}, headers=auth())
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+
+
 def test_a_stop_sequence_and_seeded_sampling(server):
     url, _ = server
     whole = client(url).completions.create(model="tiny.gguf", prompt="a b c", max_tokens=10, temperature=0).choices[0]

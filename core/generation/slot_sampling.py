@@ -9,7 +9,8 @@ request gives the same tokens whichever slot it lands in and whatever runs besid
 Before it chooses, a slot's logits are steered as OpenAI's API defines it: its request's
 `logit_bias` added, and for each token it has generated so far `frequency_penalty` subtracted
 once per time and `presence_penalty` once. The engine keeps each slot's bias and token counts
-on the device (`Steering`), so a step reads no history from the host.
+on the device (`Steering`), so a step reads no history from the host. A slot whose request
+follows a grammar (`core.generation.grammar`) then draws only among the ids its mask allows.
 """
 
 from __future__ import annotations
@@ -47,13 +48,21 @@ class Settings(NamedTuple):
     presence: np.ndarray
     frequency: np.ndarray
     steered: np.ndarray  # whether its logits are steered at all (a bias or a penalty)
+    constrained: np.ndarray  # whether it follows a grammar
+    allowed: np.ndarray  # [S, words]: the ids its grammar allows next, as bits (32 ids an int32)
 
 
-def settings(requests: Sequence, counts: Sequence[int]) -> Settings:
-    """The `Settings` of `requests` (the engine's `Request`s) that have had `counts` tokens."""
+def settings(requests: Sequence, counts: Sequence[int], words: int) -> Settings:
+    """The `Settings` of `requests` (the engine's `Request`s) that have had `counts` tokens;
+    `words`: the int32 words of a vocabulary's mask."""
 
     def each(read, dtype):
         return np.array([read(r) for r in requests], dtype)
+
+    allowed = np.full((len(requests), words), -1, np.int32)  # every bit set: anything allowed
+    for row, request in enumerate(requests):
+        if request.constraint is not None:
+            request.constraint.fill(allowed[row])
 
     return Settings(
         temperature=each(lambda r: r.temperature, np.float32),
@@ -65,6 +74,8 @@ def settings(requests: Sequence, counts: Sequence[int]) -> Settings:
         presence=each(lambda r: r.presence_penalty, np.float32),
         frequency=each(lambda r: r.frequency_penalty, np.float32),
         steered=each(lambda r: bool(r.logit_bias) or r.presence_penalty != 0 or r.frequency_penalty != 0, bool),
+        constrained=each(lambda r: r.constraint is not None, bool),
+        allowed=allowed,
     )
 
 
@@ -111,6 +122,18 @@ def steered(logits: jax.Array, settings: Settings, steering: Steering) -> jax.Ar
     return jax.lax.cond(jnp.any(settings.steered), apply, lambda: logits)
 
 
+def constrained(logits: jax.Array, settings: Settings) -> jax.Array:
+    """Logits [R, V] with the ids that a row's grammar does not allow at -inf, computed only
+    when some row follows one (an unconstrained row's mask allows every id)."""
+
+    def apply():
+        ids = jnp.arange(logits.shape[1])
+        bits = (settings.allowed[:, ids >> 5] >> (ids & 31)[None, :]) & 1
+        return jnp.where(bits == 1, logits, -jnp.inf)
+
+    return jax.lax.cond(jnp.any(settings.constrained), apply, lambda: logits)
+
+
 def pick(logits: jax.Array, settings: Settings, steering: Steering):
     """`_choose`'s tokens [R] from the leading rows' logits [R, V], steered, and for the rows
     that want them their log-probabilities under the distribution each was drawn from (its
@@ -118,7 +141,7 @@ def pick(logits: jax.Array, settings: Settings, steering: Steering):
     likely ids [R, TOP] with theirs. Only computed when some row asks (a real branch on the CPU,
     as `_choose`'s)."""
     temperature, top_p = settings.temperature, settings.top_p
-    logits = steered(logits, settings, steering)
+    logits = constrained(steered(logits, settings, steering), settings)
     logits = logits.at[jnp.arange(logits.shape[0])[:, None], settings.held].set(-jnp.inf, mode="drop")
     token = _choose(logits, temperature, top_p, settings.seed, settings.count)
 

@@ -8,8 +8,9 @@ per step, each row at its own position (`Cache.lengths`). A finished, failed or 
 request frees its slot at once and a waiting one takes it before the next step: one long
 request never holds short ones back, and the step's batch is as full as the load allows.
 
-Each slot samples with its own settings, steered by its own logit bias and penalties, and may
-ask for its tokens' log-probabilities (`core.generation.slot_sampling`).
+Each slot samples with its own settings, steered by its own logit bias and penalties, kept to
+its own grammar if it has one (`core.generation.grammar`: a request ends as soon as its grammar
+is complete), and may ask for its tokens' log-probabilities (`core.generation.slot_sampling`).
 
 One engine thread owns the cache and runs every compiled call; callers submit from any thread
 and receive tokens through their request's `emit` callback, on the engine thread.
@@ -30,6 +31,7 @@ import numpy as np
 from flax import nnx
 
 from core.generation.generate import COMPILER_OPTIONS, logits_of
+from core.generation.grammar import Constraint
 from core.generation.slot_sampling import BIASED, HELD, Scores, Steering, bias_of, pick, scored, settings
 from core.model.precision import narrowed
 from core.model.transformer import Model
@@ -43,9 +45,8 @@ class Request:
     """One generation: prompt ids, how many new tokens at most, the sampling settings, the ids
     that end it (never drawn before `min_new` new tokens), and `emit(token, reason)`: called with
     each new token (reason None; and, with `logprobs`, its `Scores`), then once with token None
-    and why it ended ("stop": a stop id,
-    not emitted; "length": max_new; "cancelled"; "error: ..."). `cancel()` from any thread frees
-    its slot before the next step."""
+    and why it ended ("stop": a stop id, not emitted, or its grammar complete; "length": max_new;
+    "cancelled"; "error: ..."). `cancel()` from any thread frees its slot before the next step."""
 
     prompt: Sequence[int]
     max_new: int
@@ -59,6 +60,7 @@ class Request:
     presence_penalty: float = 0.0  # subtracted from the logit of each token generated so far
     frequency_penalty: float = 0.0  # subtracted once per time it was generated
     logit_bias: Mapping[int, float] = field(default_factory=dict)  # added to these ids' logits
+    constraint: Constraint | None = None  # the grammar its tokens follow
     submitted: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -92,6 +94,7 @@ class Engine:
         self.vocab_size = jax.eval_shape(lambda: logits_of(model, model.embedder(*probe)[0])).shape[-1]
         self.cache = jax.device_put(model.body.init_cache(slots, self.context, cache_dtype), device)
         self.steering = jax.device_put(Steering.empty(slots, self.vocab_size), device)
+        self.mask_words = (self.vocab_size + 31) // 32
         self.waiting: queue.Queue[Request] = queue.Queue(maxsize=queue_size)
         self.active: list[Request | None] = [None] * slots
         self.counts = np.zeros(slots, np.int32)  # tokens each slot's request has had
@@ -266,7 +269,7 @@ class Engine:
             tokens,
             jnp.int32(len(prompt)),
             jnp.int32(slot),
-            settings([request], [0]),
+            settings([request], [0], self.mask_words),
             bias_of(request),
         )
         self.prefills += 1
@@ -293,7 +296,7 @@ class Engine:
             self.steering,
             self.last[:rows],
             active[:rows],
-            settings(requests, self.counts[:rows]),
+            settings(requests, self.counts[:rows], self.mask_words),
         )
         self.steps += 1
         found = np.zeros(self.slots, np.int32)
@@ -312,9 +315,13 @@ class Engine:
             self._finish(slot, "cancelled")
         elif token in request.stop_ids:
             self._finish(slot, "stop")
+        elif request.constraint is not None and not request.constraint.take(token):
+            self._finish(slot, "error: the grammar refused the token drawn")  # a mask that allowed nothing
         else:
             _tell(request, token, None, scores)
-            if self.counts[slot] >= request.max_new:
+            if request.constraint is not None and request.constraint.complete():
+                self._finish(slot, "stop")  # nothing may follow but an end token
+            elif self.counts[slot] >= request.max_new:
                 self._finish(slot, "length")
 
     def _finish(self, slot: int, reason: str) -> None:

@@ -127,6 +127,34 @@ class StreamOptions(Strict):
     include_usage: bool = False  # a last chunk with the token counts, before [DONE]
 
 
+class JsonSchema(Strict):
+    """response_format's json_schema: the schema an answer follows (OpenAI's fields). Every
+    answer is held to it, so `strict` is accepted either way."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: Text = Field(min_length=1, max_length=64)
+    description: Text | None = None
+    schema_: Annotated[dict[str, Any], AfterValidator(encodable)] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(Strict):
+    """What an answer is: text, any JSON object, or JSON valid under a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+    def schema(self) -> dict[str, Any] | None:
+        """The schema an answer follows ({"type": "object"} for json_object), None for text."""
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ApiError(
+                400, "response_format: json_schema goes with type json_schema, and only with it.", "response_format"
+            )
+        if self.type == "text":
+            return None
+        return self.json_schema.schema_ if self.json_schema is not None else {"type": "object"}
+
+
 class Sampling(Strict):
     model: Text | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -143,6 +171,7 @@ class Sampling(Strict):
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     logit_bias: Annotated[dict[str, float], AfterValidator(token_biases)] | None = None
+    response_format: ResponseFormat | None = None
     user: Text | None = None
     stream_options: StreamOptions | None = None
 

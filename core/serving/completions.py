@@ -85,6 +85,11 @@ class Completions:
                 400, f"logit_bias: token {outside} is outside the model's {engine.vocab_size} ids.", "logit_bias"
             )
         alternatives, chat = body.wanted_logprobs(), kind == "chat.completion"
+        constraint = served.constraints(body.response_format)
+        if constraint is not None and body.min_tokens:
+            raise ApiError(
+                400, "min_tokens: an answer kept to response_format ends where its grammar does.", "min_tokens"
+            )
         seed = body.seed if body.seed is not None else secrets.randbits(31)
         events: asyncio.Queue = asyncio.Queue()  # every choice's new text, as it comes (for streaming)
         loop = asyncio.get_running_loop()
@@ -105,6 +110,7 @@ class Completions:
                 presence_penalty=body.presence_penalty,
                 frequency_penalty=body.frequency_penalty,
                 logit_bias=bias,
+                constraint=constraint() if constraint is not None else None,
             )
             choices.append(choice)
         try:

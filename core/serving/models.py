@@ -16,8 +16,9 @@ from typing import Any
 import numpy as np
 
 from core.errors import UserError
+from core.generation.grammar import Constraint, Vocabulary, json_grammar
 from core.generation.slots import Engine
-from core.serving.api import ApiError
+from core.serving.api import ApiError, ResponseFormat
 from core.serving.batcher import Batcher
 
 
@@ -31,6 +32,14 @@ class Served:
     engine: Engine | None = None
     worker: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1))
     batcher: Batcher | None = None
+    vocabulary: Vocabulary | None = None  # a language model's tokens as its grammars read them
+
+    def __post_init__(self):
+        if self.engine is not None and self.vocabulary is None:
+            tokenizer = self.predictor.featurizer.tokenizer
+            text = tokenizer.tokenizer_json()
+            if text is not None:  # built now: at Gemma's vocabulary it takes seconds
+                self.vocabulary = Vocabulary(text, self.engine.vocab_size, frozenset(tokenizer.stop_ids))
 
     @property
     def task(self):
@@ -53,6 +62,24 @@ class Served:
                     "positions this server gives a generation.",
                     f"inputs.{index}",
                 )
+
+    def constraints(self, response_format: ResponseFormat | None) -> Callable[[], Constraint] | None:
+        """What makes each answer's constraint under `response_format` (None: answers are free text)."""
+        schema = response_format.schema() if response_format is not None else None
+        if schema is None:
+            return None
+        if self.vocabulary is None:
+            raise ApiError(
+                400,
+                f"response_format: {self.name}'s tokenizer (a sentencepiece model trained here) cannot be read "
+                "as a grammar's vocabulary; JSON answers need a pretrained decoder's tokenizer.",
+                "response_format",
+            )
+        try:
+            grammar = json_grammar(schema)
+        except UserError as error:
+            raise ApiError(400, f"response_format: {error}.", "response_format") from None
+        return lambda: self.vocabulary.constraint(grammar)
 
     def rows(self, groups: list[list[dict]], values: dict[str, Any]) -> list[list[dict]]:
         """Each request's rows, its examples run with every other request's in one call. The

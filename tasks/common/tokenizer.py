@@ -101,6 +101,10 @@ class Tokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self.processor.decode([int(i) for i in ids if i > EOS])
 
+    def tokenizer_json(self) -> None:
+        """None: a sentencepiece model is no tokenizer.json (so its answers follow no grammar)."""
+        return None
+
 
 class PretrainedTokenizer:
     """A pretrained checkpoint's tokenizer, read from its tokenizer.json with the `tokenizers`
@@ -149,6 +153,11 @@ class PretrainedTokenizer:
         self.markers = {i for i, token in self.tokenizer.get_added_tokens_decoder().items() if token.special}
         ends = [self._eos_id] if self._eos_id is not None else []
         self.stop_ids = tuple(dict.fromkeys([*self.config.get("stop_ids", []), *ends]))
+
+    def tokenizer_json(self) -> str:
+        """The tokenizer as a tokenizer.json, without padding or truncation (what llguidance
+        reads to keep answers to a grammar)."""
+        return self.tokenizer.to_str()
 
     @property
     def eos_id(self) -> int:
