@@ -39,16 +39,19 @@ log = logging.getLogger("apps")
 LOCK = "train.lock"
 
 
-class _ReadOnlyNotice(logging.Filter):
-    """Drops orbax's notices that a manager opened read-only (for eval and predict) is read-only
-    and that an item read on its own (`read_params`) has no step metadata beside it."""
+class _Notices(logging.Filter):
+    """Drops orbax's notices that a manager opened read-only (for eval and predict) is read-only,
+    that an item read on its own (`read_params`) has no step metadata beside it, and that the
+    array handler below replaces its default."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        return not message.startswith(("Given directory is read only", "Metadata file does not exist"))
+        return not message.startswith(
+            ("Given directory is read only", "Metadata file does not exist", "Type handler registry type")
+        )
 
 
-logging.getLogger("absl").addFilter(_ReadOnlyNotice())
+logging.getLogger("absl").addFilter(_Notices())
 
 # Replicated arrays are written whole from their first replica. Orbax's default on CPU splits
 # each one across its replicas, slicing it eagerly on every device: a compiled program per
