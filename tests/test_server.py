@@ -323,6 +323,48 @@ def test_structured_answers_parse_and_follow_their_schema(server, tiny):
         assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
 
 
+def test_embeddings_are_the_decoders_mean_pooled_states_alone_or_batched(server, tiny):
+    """Each input's embedding is the mean of the decoder's last states over its prompt ids (as
+    `apps embed` reads them in process), at unit length; the same alone, batched with others,
+    concurrent, from token ids and in base64; bad values are named."""
+    import base64
+    import concurrent.futures
+
+    from core.options import predict_option_values
+    from core.predict import Predictor
+    from tasks.nlp.lm import LMTask
+
+    url, _ = server
+    texts = ["the cat sat", "a", "the the the"]
+    local = Predictor(LMTask, model=str(tiny))
+    examples = local.task.parse_request(texts, predict_option_values(local.task, {}))
+    expected = [v / np.linalg.norm(v) for v in local.task.embed(local.model, local.featurizer, examples)]
+    together = client(url).embeddings.create(model="tiny.gguf", input=texts)
+    assert [d.index for d in together.data] == [0, 1, 2] and together.model == "tiny.gguf"
+    ids = [local.featurizer.prompt(e) for e in examples]
+    assert together.usage.prompt_tokens == sum(map(len, ids))
+    for got, want in zip(together.data, expected):
+        np.testing.assert_allclose(got.embedding, want, atol=1e-5)
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        alone = list(pool.map(lambda t: client(url).embeddings.create(model="tiny.gguf", input=t).data[0], texts))
+    np.testing.assert_allclose([a.embedding for a in alone], [d.embedding for d in together.data], atol=1e-5)
+    from_ids = client(url).embeddings.create(model="tiny.gguf", input=ids, dimensions=len(expected[0]))
+    np.testing.assert_allclose([d.embedding for d in from_ids.data], expected, atol=1e-5)
+    raw = httpx.post(
+        f"{url}/v1/embeddings", json={"input": texts[0], "encoding_format": "base64"}, headers=auth()
+    ).json()["data"][0]["embedding"]
+    np.testing.assert_allclose(np.frombuffer(base64.b64decode(raw), "<f4"), expected[0], atol=1e-5)
+    for body, status, param in [
+        ({"input": "a", "dimensions": 3}, 400, "dimensions"),
+        ({"input": []}, 400, "input"),
+        ({"input": [[1], [10**6]]}, 400, "input.1"),
+        ({"input": "a", "model": "sentiment"}, 404, "model"),
+        ({"input": "a", "encoding_format": "int8"}, 400, "encoding_format"),
+    ]:
+        response = httpx.post(f"{url}/v1/embeddings", json=body, headers=auth())
+        assert response.status_code == status and response.json()["error"]["param"] == param, response.text
+
+
 def test_a_stop_sequence_and_seeded_sampling(server):
     url, _ = server
     whole = client(url).completions.create(model="tiny.gguf", prompt="a b c", max_tokens=10, temperature=0).choices[0]

@@ -216,3 +216,12 @@ class ChatBody(Sampling):
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError(400, "top_logprobs: give logprobs: true with it.", "top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class EmbeddingsBody(Strict):
+    # A text, texts, or token ids (a list, or lists of them), as OpenAI's API takes them.
+    input: Text | list[Text] | list[int] | list[list[int]]
+    model: Text | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1)
+    user: Text | None = None

@@ -32,6 +32,7 @@ class Served:
     engine: Engine | None = None
     worker: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1))
     batcher: Batcher | None = None
+    embedder: Batcher | None = None  # its embeddings requests, batched as predict requests are
     vocabulary: Vocabulary | None = None  # a language model's tokens as its grammars read them
 
     def __post_init__(self):
@@ -44,6 +45,21 @@ class Served:
     @property
     def task(self):
         return self.predictor.task
+
+    @property
+    def embeds(self) -> bool:
+        """Whether its task gives embeddings (overrides `Task.embed`)."""
+        from core.task import Task
+
+        return type(self.task).embed is not Task.embed
+
+    def states(self, groups: list[list[dict]], values: dict[str, Any]) -> list[list[np.ndarray]]:
+        """Each request's examples' last states [L, D] (the task's `embed`, per position), every
+        request's examples in one call."""
+        examples = [e for group in groups for e in group]
+        found = self.task.embed(self.predictor.model, self.predictor.featurizer, examples, per_position=True)
+        bounds = np.cumsum([0, *(len(group) for group in groups)])
+        return [found[a:b] for a, b in zip(bounds, bounds[1:])]
 
     def waiting(self) -> int:
         """Requests waiting for its predict worker or for a generation slot."""

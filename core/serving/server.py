@@ -45,7 +45,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from core.errors import UserError
 from core.options import PredictOptionError, RequestLimits, predict_option_values
-from core.serving.api import ApiError, ChatBody, CompletionBody, PredictBody, within
+from core.serving import embeddings
+from core.serving.api import ApiError, ChatBody, CompletionBody, EmbeddingsBody, PredictBody, within
 from core.serving.batcher import Batcher
 from core.serving.completions import Completions
 from core.serving.metrics import Metrics
@@ -55,7 +56,7 @@ from core.task import CompletingFeaturizer
 
 log = logging.getLogger("apps")
 
-ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
+ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/embeddings")
 # The metrics' label of a path with a name in it: a label per route, not per path, so that a
 # client's stray URLs do not grow the metrics.
 ROUTES = (
@@ -99,16 +100,12 @@ class Server:
 
     async def _lifespan(self, app):
         for served in self.served.values():
-            served.batcher = Batcher(
-                served.name,
-                served.rows,
-                served.worker,
-                max_batch=self.max_batch,
-                max_wait=self.max_wait,
-                queue_size=self.queue_size,
-                metrics=self.metrics,
-            )
+            batching = dict(max_batch=self.max_batch, max_wait=self.max_wait, queue_size=self.queue_size)
+            served.batcher = Batcher(served.name, served.rows, served.worker, **batching, metrics=self.metrics)
             served.batcher.start()
+            if served.embeds:
+                served.embedder = Batcher(served.name, served.states, served.worker, **batching, metrics=self.metrics)
+                served.embedder.start()
             self.metrics.queue.labels(served.name).set_function(served.waiting)
             if served.engine is not None:
                 served.engine.start()
@@ -120,21 +117,37 @@ class Server:
 
     # Lookup ---------------------------------------------------------------------------------
 
-    def model(self, name: str | None, task: str | None = None, generates: bool = False) -> Served:
+    def model(self, name: str | None, task: str | None = None, generates: bool = False, embeds: bool = False) -> Served:
         candidates = [
-            s for s in self.served.values() if (task is None or s.task.name == task) and (not generates or s.engine)
+            s
+            for s in self.served.values()
+            if (task is None or s.task.name == task) and (not generates or s.engine) and (not embeds or s.embeds)
         ]
         if name is not None:
             found = self.served.get(name)
             if found is None or found not in candidates:
-                kind = "language model" if generates else f"{task} model" if task else "model"
+                kind = (
+                    "language model"
+                    if generates
+                    else "model that embeds"
+                    if embeds
+                    else f"{task} model"
+                    if task
+                    else "model"
+                )
                 known = ", ".join(s.name for s in candidates) or "none"
                 raise ApiError(404, f"model: no {kind} {name!r} is served; served: {known}.", "model", "not_found")
             return found
         if len(candidates) == 1:
             return candidates[0]
         if not candidates:
-            what = "language model (lm run or pretrained decoder)" if generates else f"{task} model"
+            what = (
+                "language model (lm run or pretrained decoder)"
+                if generates
+                else "model that embeds (a decoder or a protein run)"
+                if embeds
+                else f"{task} model"
+            )
             raise ApiError(404, f"No {what} is served here.", "model", "not_found")
         raise ApiError(400, f"model: several are served ({', '.join(s.name for s in candidates)}); name one.", "model")
 
@@ -144,6 +157,7 @@ class Server:
         self._guards()
         self._endpoints()
         self._completion_endpoints()
+        self._embeddings_endpoint()
 
     def _guards(self) -> None:
         """The key and size checks and the metrics of every request, and errors as OpenAI's."""
@@ -251,6 +265,11 @@ class Server:
             example = {"text": messages[-1]["content"], "messages": messages, "content_markers": body.content_markers}
             ids = [featurizer.prompt(example)]
             return await self.completions.answer(served, body, ids, "chat.completion", client)
+
+    def _embeddings_endpoint(self) -> None:
+        @self.app.post("/v1/embeddings")
+        async def embed(body: EmbeddingsBody):
+            return await embeddings.answer(self.model(body.model, embeds=True), body, self.limits, self.timeout)
 
     def _check_inputs(self, inputs: list[str]) -> None:
         if len(inputs) > self.limits.inputs:

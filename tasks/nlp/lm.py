@@ -43,6 +43,7 @@ from core.presets import modern_blocks, tiny_preset
 from core.run import Predictor
 from core.task import Task, final, scored_positions
 from core.training import losses
+from core.training.data import bucket_width
 from tasks.common import chat
 from tasks.common.tokenizer import PretrainedTokenizer, Tokenizer, load_tokenizer
 from tasks.nlp import corpus, instructions
@@ -258,6 +259,28 @@ class LMTask(Task):
             total, count = model.fit(train_ids).log_prob(test_ids)
             results[name] = _scores(-total, count, characters(test))
         return results
+
+    def embed(self, model, featurizer: LMFeaturizer, examples, per_position: bool = False) -> list[np.ndarray]:
+        """Each text's (or token list's: an example's "ids") last hidden states [L, D] over its
+        prompt ids, as `generate` would read them, or their mean [D] (llama-server's mean
+        pooling). Longer than the context is refused, naming the input."""
+        prompts = [list(e["ids"]) if e.get("ids") is not None else featurizer.prompt(e) for e in examples]
+        context = self.config.model.max_len
+        for index, prompt in enumerate(prompts):
+            if len(prompt) > context:
+                raise UserError(
+                    f"Input {index + 1} is {len(prompt)} tokens long, past the model's {context} positions."
+                )
+        states = nnx.jit(lambda model, ids, mask: model.body(*model.embedder(ids, mask)))
+        found = []
+        for prompt in prompts:  # one at a time, at a bucketed width: a few compiled programs
+            width = bucket_width(len(prompt), context)
+            ids = np.zeros((1, width), np.int32)
+            ids[0, : len(prompt)] = prompt
+            mask = (np.arange(width) < len(prompt))[None, :]
+            hidden = np.asarray(states(model, jnp.asarray(ids), jnp.asarray(mask)))
+            found.append(hidden[0, : len(prompt)].astype(np.float32))
+        return found if per_position else [h.mean(0) for h in found]
 
     def generate(self, model, featurizer: LMFeaturizer, examples, options: dict, on_text=None) -> dict:
         """Continues each prompt (`LMFeaturizer.prompt`) until a stop token (EOS, a chat model's
