@@ -15,6 +15,7 @@ follows a grammar (`core.generation.grammar`) then draws only among the ids its 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -59,10 +60,13 @@ def settings(requests: Sequence, counts: Sequence[int], words: int) -> Settings:
     def each(read, dtype):
         return np.array([read(r) for r in requests], dtype)
 
-    allowed = np.full((len(requests), words), -1, np.int32)  # every bit set: anything allowed
-    for row, request in enumerate(requests):
-        if request.constraint is not None:
-            request.constraint.fill(allowed[row])
+    if any(r.constraint is not None for r in requests):
+        allowed = np.full((len(requests), words), -1, np.int32)  # every bit set: anything allowed
+        for row, request in enumerate(requests):
+            if request.constraint is not None:
+                request.constraint.fill(allowed[row])
+    else:  # the usual step: no mask built on the host nor sent to the device
+        allowed = _anything(len(requests), words)
 
     return Settings(
         temperature=each(lambda r: r.temperature, np.float32),
@@ -77,6 +81,12 @@ def settings(requests: Sequence, counts: Sequence[int], words: int) -> Settings:
         constrained=each(lambda r: r.constraint is not None, bool),
         allowed=allowed,
     )
+
+
+@functools.cache
+def _anything(rows: int, words: int) -> jax.Array:
+    """A mask allowing every id, kept on the device for the steps no grammar constrains."""
+    return jnp.full((rows, words), -1, jnp.int32)
 
 
 class Steering(NamedTuple):

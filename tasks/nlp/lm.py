@@ -117,6 +117,12 @@ def gemma3() -> Config:
     return fine_tuned("gemma3-270m", "gemma3", steps=60, eval_batch_size=2)
 
 
+@nnx.jit
+def _last_states(model, ids, mask):
+    """The body's last states [B, T, D] of ids [B, T]: compiled once per width, whatever the call."""
+    return model.body(*model.embedder(ids, mask))
+
+
 @final
 @dataclass(frozen=True, kw_only=True)
 class LMTask(Task):
@@ -271,14 +277,13 @@ class LMTask(Task):
                 raise UserError(
                     f"Input {index + 1} is {len(prompt)} tokens long, past the model's {context} positions."
                 )
-        states = nnx.jit(lambda model, ids, mask: model.body(*model.embedder(ids, mask)))
         found = []
         for prompt in prompts:  # one at a time, at a bucketed width: a few compiled programs
             width = bucket_width(len(prompt), context)
             ids = np.zeros((1, width), np.int32)
             ids[0, : len(prompt)] = prompt
             mask = (np.arange(width) < len(prompt))[None, :]
-            hidden = np.asarray(states(model, jnp.asarray(ids), jnp.asarray(mask)))
+            hidden = np.asarray(_last_states(model, jnp.asarray(ids), jnp.asarray(mask)))
             found.append(hidden[0, : len(prompt)].astype(np.float32))
         return found if per_position else [h.mean(0) for h in found]
 
