@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import abc
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
@@ -78,12 +78,27 @@ class Featurizer(Protocol):
     def __call__(self, examples: Sequence[Example]) -> Batch: ...
 
 
+class ToolFormat(Protocol):
+    """How a chat model writes calls to the functions offered it: the text a call opens with,
+    calls read back from an answer, and the grammar (llguidance's Lark) of an answer that is
+    calls alone, for a call the request forces."""
+
+    OPENING: str
+
+    def parse(self, text: str, names: Collection[str]) -> tuple[str, list[tuple[str, dict[str, Any]]]]:
+        """The answer's text besides its calls to the functions `names`, and the calls."""
+
+    def grammar(self, functions: Sequence[dict[str, Any]], parallel: bool) -> str:
+        """The grammar of one call (or with `parallel`, one or more) to one of `functions`."""
+
+
 class ChatTokenizer(Protocol):
     """What the server reads of a completing featurizer's tokenizer: its chat template (None:
-    the model takes no conversations), the ids that end a generation, and itself as a Hugging
-    Face tokenizer.json, for answers kept to a grammar (None where it is none)."""
+    the model takes no conversations) and tool-call format, the ids that end a generation, and
+    itself as a Hugging Face tokenizer.json, for answers kept to a grammar (None where it is none)."""
 
     chat_template: str | None
+    tool_format: ToolFormat | None
     stop_ids: Sequence[int]
 
     def tokenizer_json(self) -> str | None: ...
@@ -97,8 +112,9 @@ class CompletingFeaturizer(Featurizer, Protocol):
 
     def prompt(self, example: Example, system: str = "") -> list[int]:
         """The ids a generation continues: a conversation (`messages`) rendered with the chat
-        template (with `system` as its system message if given), or a text. Control tokens
-        typed in a message's content are text unless the example says `content_markers`."""
+        template (with `system` as its system message if given, and the function definitions
+        of `tools` offered), or a text. Control tokens typed in a message's content are text
+        unless the example says `content_markers`."""
 
     def continuation(self, prompt: Sequence[int], new: Sequence[int]) -> str:
         """The text that the `new` ids add after `prompt`."""

@@ -24,7 +24,12 @@ def tokens() -> list[str]:
 
 
 def write_tiny_gguf(
-    path: Path, *, architecture: str = "llama", seed: int = 0, chat_template: str | None = CHATML
+    path: Path,
+    *,
+    architecture: str = "llama",
+    seed: int = 0,
+    chat_template: str | None = CHATML,
+    context: int = SIZES["context"],
 ) -> Path:
     from gguf import GGUFWriter
 
@@ -33,7 +38,7 @@ def write_tiny_gguf(
     d, heads, kv, mlp = SIZES["d_model"], SIZES["heads"], SIZES["kv_heads"], SIZES["mlp"]
     head = d // heads
     writer = GGUFWriter(str(path), architecture)
-    writer.add_context_length(SIZES["context"])
+    writer.add_context_length(context)
     writer.add_embedding_length(d)
     writer.add_block_count(SIZES["layers"])
     writer.add_feed_forward_length(mlp)

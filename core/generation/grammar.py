@@ -37,9 +37,23 @@ def json_grammar(schema: dict[str, Any] | None) -> str:
         )
     except ValueError as error:
         raise UserError(f"the JSON schema is not valid JSON ({error})") from None
+    return _checked(grammar, "the JSON schema")
+
+
+def lark_grammar(text: str, what: str) -> str:
+    """A grammar in llguidance's Lark (which embeds JSON schemas as `%json {...}`); one that
+    cannot be followed is a UserError naming `what` it was made from."""
+    import llguidance
+
+    return _checked(llguidance.LLMatcher.grammar_from_lark(text), what)
+
+
+def _checked(grammar: str, what: str) -> str:
+    import llguidance
+
     problem = llguidance.LLMatcher.validate_grammar(grammar)
     if problem:
-        raise UserError(f"the JSON schema cannot be followed: {problem.strip()}")
+        raise UserError(f"{what} cannot be followed: {problem.strip()}")
     return grammar
 
 

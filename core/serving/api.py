@@ -10,11 +10,12 @@ surrogate pair (`"\ud800"`), which no tokenizer can encode.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from core.errors import UserError
 from core.generation.slot_sampling import BIASED
@@ -109,18 +110,93 @@ class TextPart(Strict):
     text: Text
 
 
+def json_object(text: str) -> str:
+    """A function call's arguments: a JSON object, written as a text (as OpenAI's API has them)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"is not JSON ({error.msg} at column {error.colno})") from None
+    if not isinstance(value, dict):
+        raise ValueError("is not a JSON object")
+    return text
+
+
+class Function(Strict):
+    """A function offered to the model: its name, what it does, its parameters' JSON schema."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: Text | None = None
+    parameters: Annotated[dict[str, Any], AfterValidator(encodable)] | None = None
+    strict: bool | None = None  # a forced call's arguments always follow the schema
+
+    def definition(self) -> dict[str, Any]:
+        """The function as a chat template reads it."""
+        return self.model_dump(exclude_none=True, exclude={"strict"})
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: Function
+
+
+class CalledFunction(Strict):
+    name: Text
+    arguments: Annotated[str, AfterValidator(encodable), AfterValidator(json_object)]
+
+
+class ToolCall(Strict):
+    """A call an assistant's message made, sent back in the conversation."""
+
+    id: Text
+    type: Literal["function"]
+    function: CalledFunction
+
+
+class FunctionName(Strict):
+    name: Text
+
+
+class NamedTool(Strict):
+    """tool_choice naming the one function the answer calls."""
+
+    type: Literal["function"]
+    function: FunctionName
+
+
 class Message(Strict):
     """A chat message as current clients send it: its content a text or a list of text parts
-    (joined by newlines, as vLLM joins them), and `developer` the system role under its newer
-    name (OpenAI's)."""
+    (joined by newlines, as vLLM joins them), `developer` the system role under its newer name
+    (OpenAI's), an assistant's `tool_calls` (its content then may be null) and a `tool`
+    message's result of the call `tool_call_id`."""
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Text | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Text | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = Field(default=None, min_length=1)
+    tool_call_id: Text | None = None
 
-    def plain(self) -> dict[str, str]:
-        """The message as a chat template reads it: {"role", "content"} with one text."""
-        content = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+    @model_validator(mode="after")
+    def _whole(self) -> Message:
+        if self.content is None and not self.tool_calls:
+            raise ValueError("a message needs a content (an assistant's message of tool_calls may go without)")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only an assistant's message holds tool_calls")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("a tool message, and only a tool message, gives the tool_call_id it answers")
+        return self
+
+    def plain(self) -> dict[str, Any]:
+        """The message as a chat template reads it: its role, one text, and the calls it made
+        ({"id", "name", "arguments": a dict}) or the call it answers (`tool_call_id`)."""
+        content = self.content if not isinstance(self.content, list) else "\n".join(p.text for p in self.content)
+        message = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": c.id, "name": c.function.name, "arguments": json.loads(c.function.arguments)}
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
 class StreamOptions(Strict):
@@ -211,6 +287,9 @@ class ChatBody(Sampling):
     content_markers: bool = False
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[Tool] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedTool | None = None
+    parallel_tool_calls: bool = True
 
     def wanted_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:

@@ -14,12 +14,14 @@ import json
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from core.errors import UserError
 from core.generation.detokenize import Detokenizer
+from core.generation.grammar import Constraint, json_grammar
 from core.generation.slot_sampling import Scores
 from core.generation.slots import QueueFull
 from core.generation.slots import Request as Generation
@@ -36,11 +38,14 @@ class Completions:
     def __init__(self, metrics: Metrics, timeout: float):
         self.metrics, self.timeout = metrics, timeout
 
-    async def answer(self, served: Served, body: Sampling, prompts: list[list[int]], kind: str, client: Request):
+    async def answer(
+        self, served: Served, body: Sampling, prompts: list[list[int]], kind: str, client: Request, offer=None
+    ):
         """The response to `body` (of `kind` "text_completion" or "chat.completion") for the
-        tokenized `prompts`: a JSON body, or an event stream. A `client` who leaves before the
-        answer is whole frees its slots at once, streamed or not."""
-        choices = self._submit(served, body, prompts, kind)
+        tokenized `prompts`, with the functions `offer` gives the model (`core.serving.tools`): a
+        JSON body, or an event stream. A `client` who leaves before the answer is whole frees its
+        slots at once, streamed or not."""
+        choices = self._submit(served, body, prompts, kind, offer)
         chat = kind == "chat.completion"
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         prompt_tokens = sum(len(p) for p in prompts)
@@ -60,13 +65,13 @@ class Completions:
             "model": served.name,
             "choices": [
                 {"index": c.index, "finish_reason": c.reason, "logprobs": c.logprobs(c.scored)}
-                | ({"message": {"role": "assistant", "content": c.text}} if chat else {"text": c.text})
+                | ({"message": c.message()} if chat else {"text": c.text})
                 for c in choices
             ],
             "usage": _usage(prompt_tokens, choices),
         }
 
-    def _submit(self, served: Served, body: Sampling, prompts: list[list[int]], kind: str) -> list[Choice]:
+    def _submit(self, served: Served, body: Sampling, prompts: list[list[int]], kind: str, offer) -> list[Choice]:
         """Every choice of the request, its generation queued in the engine (or none: a 503)."""
         engine, stops = served.engine, body.stops()
         wanted = len(prompts) * body.n
@@ -85,18 +90,14 @@ class Completions:
                 400, f"logit_bias: token {outside} is outside the model's {engine.vocab_size} ids.", "logit_bias"
             )
         alternatives, chat = body.wanted_logprobs(), kind == "chat.completion"
-        constraint = served.constraints(body.response_format)
-        if constraint is not None and body.min_tokens:
-            raise ApiError(
-                400, "min_tokens: an answer kept to response_format ends where its grammar does.", "min_tokens"
-            )
+        constraint = _constraint(served, body, offer)
         seed = body.seed if body.seed is not None else secrets.randbits(31)
         events: asyncio.Queue = asyncio.Queue()  # every choice's new text, as it comes (for streaming)
         loop = asyncio.get_running_loop()
         featurizer: CompletingFeaturizer = served.predictor.featurizer
         choices = []
         for index in range(wanted):
-            choice = Choice(featurizer.continuation, prompts[index // body.n], stops, index, events, loop, chat)
+            choice = Choice(featurizer.continuation, prompts[index // body.n], stops, index, events, loop, chat, offer)
             choice.request = Generation(
                 choice.prompt,
                 max_new,
@@ -150,7 +151,7 @@ class Completions:
                     return
                 if reason is not None:
                     open_choices -= 1
-                content = {"delta": {"content": text} if text else {}} if chat else {"text": text}
+                content = {"delta": choices[index].delta(text, reason)} if chat else {"text": text}
                 yield _event(
                     head | {"choices": [{"index": index, **content, "finish_reason": reason, "logprobs": scores}]}
                 )
@@ -164,6 +165,22 @@ class Completions:
                 choice.request.cancel()
             if not counted:  # cut off, timed out or failed: what was made still counts
                 self._count(served, choices)
+
+
+def _constraint(served: Served, body: Sampling, offer) -> Callable[[], Constraint] | None:
+    """What makes each answer's grammar: response_format's, or a forced tool call's (None: free)."""
+    schema = body.response_format.schema() if body.response_format is not None else None
+    grammar = offer.grammar() if offer is not None else None
+    if schema is not None and offer is not None:
+        raise ApiError(400, "response_format: give it or tools (with tool_choice none), not both.", "response_format")
+    if schema is not None:
+        try:
+            grammar = json_grammar(schema)
+        except UserError as error:
+            raise ApiError(400, f"response_format: {error}.", "response_format") from None
+    if grammar is not None and body.min_tokens:
+        raise ApiError(400, "min_tokens: an answer kept to a grammar ends where its grammar does.", "min_tokens")
+    return served.constraints(grammar, "response_format" if schema is not None else "tools")
 
 
 def _max_new_tokens(context: int, body: Sampling, prompts: list[list[int]], kind: str) -> int:
@@ -240,14 +257,18 @@ def _undecided(text: str, stops: list[str]) -> int:
 
 class Choice:
     """One choice: its tokens as the engine emits them (on the engine's thread, handed to the
-    event loop), turned into text, cut at the first stop sequence, with its finish reason. Each
-    change goes to `events` as (index, new text, finish reason); text that may begin a stop
-    sequence is held back until it is decided, so a stream never sends a part of one."""
+    event loop), turned into text, cut at the first stop sequence, with its finish reason and
+    the tool calls read from it (where `offer` offers functions). Each change goes to `events`
+    as (index, new text, finish reason); text that may begin a stop sequence or a tool call is
+    held back until it is decided, so a stream never sends a part of one."""
 
-    def __init__(self, continuation, prompt: list[int], stops: list[str], index: int, events, loop, chat: bool):
+    def __init__(
+        self, continuation, prompt: list[int], stops: list[str], index: int, events, loop, chat: bool, offer=None
+    ):
         self.prompt, self.stops, self.index, self.events, self.loop = prompt, stops, index, events, loop
         self.text_of = Detokenizer(continuation, prompt)
-        self.chat = chat
+        self.chat, self.offer = chat, offer
+        self.calls: list[dict] = []  # the tool calls of a finished answer, in OpenAI's shape
         self.scored: list[logprobs.Entry] = []  # each token's scores, if the request asked
         self.streamed = 0  # of them, sent in a stream's chunks
         self.text, self.sent, self.reason = "", 0, None
@@ -272,18 +293,51 @@ class Choice:
                 return  # the rest of a character is still to come
             cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
             if cut < 0:  # what may begin a stop sequence waits until the next tokens decide
-                self._send(text[: len(text) - _undecided(text, self.stops)], None)
+                self._send(self._shown(text), None)
                 return
             self.request.cancel()
-            self._send(text[:cut], "stop")
+            self._end(text[:cut], "stop")
             return
         if reason.startswith("error"):
             self._fail(reason)
             return
-        self._send(self.text_of.text(), "length" if reason == "length" else "stop")
+        self._end(self.text_of.text(), "length" if reason == "length" else "stop")
+
+    def _shown(self, text: str) -> str:
+        """What a stream may send of the answer so far: not what may begin a stop sequence and,
+        where functions are offered, nothing from a call on (an answer that opens with JSON may
+        be a bare call: it waits whole; a forced answer is calls alone)."""
+        held = self.stops
+        if self.offer is not None:
+            if self.offer.forced is not None or not text.strip() or text.lstrip().startswith(("{", "[")):
+                return ""
+            opening = self.offer.format.OPENING
+            text, held = text.split(opening, 1)[0], [*held, opening]
+        return text[: len(text) - _undecided(text, held)]
+
+    def _end(self, text: str, reason: str) -> None:
+        if self.offer is not None:
+            content, self.calls = self.offer.read(text)
+            if self.calls:
+                text, reason = content, "tool_calls"
+        self._send(text, reason)
+
+    def message(self) -> dict:
+        """The finished answer as a chat message: its text, or its tool calls and any text beside."""
+        if self.calls:
+            return {"role": "assistant", "content": self.text or None, "tool_calls": self.calls}
+        return {"role": "assistant", "content": self.text}
+
+    def delta(self, text: str, reason: str | None) -> dict:
+        """A stream chunk's change to the message: new text, and the calls with the end of an answer that made them."""
+        delta = {"content": text} if text else {}
+        if reason == "tool_calls":
+            delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(self.calls)]
+        return delta
 
     def _send(self, text: str, reason: str | None) -> None:
-        new, offset = text[self.sent :], self.sent
+        # The text sent so far, then the rest (an answer's text besides its calls may be trimmed).
+        new, offset = (text[self.sent :] if text.startswith(self.text[: self.sent]) else ""), self.sent
         self.text, self.sent = text, len(text)
         if reason is not None:
             self.reason = reason

@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 
 from core.errors import UserError
-from core.generation.grammar import Constraint, Vocabulary, json_grammar
+from core.generation.grammar import Constraint, Vocabulary
 from core.generation.slots import Engine
-from core.serving.api import ApiError, ResponseFormat
+from core.serving.api import ApiError
 from core.serving.batcher import Batcher
 
 
@@ -79,22 +79,18 @@ class Served:
                     f"inputs.{index}",
                 )
 
-    def constraints(self, response_format: ResponseFormat | None) -> Callable[[], Constraint] | None:
-        """What makes each answer's constraint under `response_format` (None: answers are free text)."""
-        schema = response_format.schema() if response_format is not None else None
-        if schema is None:
+    def constraints(self, grammar: str | None, field: str) -> Callable[[], Constraint] | None:
+        """What makes each answer's constraint under `grammar` (None: answers are free text),
+        which the request's `field` asked for."""
+        if grammar is None:
             return None
         if self.vocabulary is None:
             raise ApiError(
                 400,
-                f"response_format: {self.name}'s tokenizer (a sentencepiece model trained here) cannot be read "
-                "as a grammar's vocabulary; JSON answers need a pretrained decoder's tokenizer.",
-                "response_format",
+                f"{field}: {self.name}'s tokenizer (a sentencepiece model trained here) cannot be read as a "
+                "grammar's vocabulary; constrained answers need a pretrained decoder's tokenizer.",
+                field,
             )
-        try:
-            grammar = json_grammar(schema)
-        except UserError as error:
-            raise ApiError(400, f"response_format: {error}.", "response_format") from None
         return lambda: self.vocabulary.constraint(grammar)
 
     def rows(self, groups: list[list[dict]], values: dict[str, Any]) -> list[list[dict]]:

@@ -45,7 +45,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from core.errors import UserError
 from core.options import PredictOptionError, RequestLimits, predict_option_values
-from core.serving import embeddings
+from core.serving import embeddings, tools
 from core.serving.api import ApiError, ChatBody, CompletionBody, EmbeddingsBody, PredictBody, within
 from core.serving.batcher import Batcher
 from core.serving.completions import Completions
@@ -261,10 +261,11 @@ class Server:
             featurizer: CompletingFeaturizer = served.predictor.featurizer
             if featurizer.tokenizer.chat_template is None:
                 raise ApiError(400, f"model: {served.name} has no chat template; use /v1/completions.", "model")
+            offer = tools.offer(body, featurizer.tokenizer.tool_format)
             messages = [m.plain() for m in body.messages]
             example = {"text": messages[-1]["content"], "messages": messages, "content_markers": body.content_markers}
-            ids = [featurizer.prompt(example)]
-            return await self.completions.answer(served, body, ids, "chat.completion", client)
+            ids = [featurizer.prompt(example | ({"tools": offer.functions} if offer is not None else {}))]
+            return await self.completions.answer(served, body, ids, "chat.completion", client, offer)
 
     def _embeddings_endpoint(self) -> None:
         @self.app.post("/v1/embeddings")

@@ -1,9 +1,10 @@
 """Chat conversations: messages read from JSON and rendered with a checkpoint's chat template.
 
-A conversation is a list of messages {"role": "system" | "user" | "assistant", "content": text}.
-The template (a jinja2 text in the checkpoint's metadata) is rendered as Hugging Face's
-`apply_chat_template` does: a sandboxed environment that trims blocks, with `raise_exception` and
-a `tojson` filter, given the messages, `add_generation_prompt` and the special tokens.
+A conversation is a list of messages {"role": "system" | "user" | "assistant", "content": text}
+(the server's also carry tool calls and tool results: `tasks.common.tools`). The template (a
+jinja2 text in the checkpoint's metadata) is rendered as Hugging Face's `apply_chat_template`
+does: a sandboxed environment that trims blocks, with `raise_exception` and a `tojson` filter,
+given the messages, `add_generation_prompt`, the special tokens and the tools offered.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import re
 from collections.abc import Callable, Sequence
 
 from core.errors import UserError
+from tasks.common import tools as tool_calls
 
 ROLES = ("system", "user", "assistant")
 Message = dict[str, str]
@@ -85,21 +87,52 @@ def _compiled(template: str):
         raise UserError(f"The checkpoint's chat template does not parse: {error}") from None
 
 
+@functools.cache
+def has_tools_section(template: str) -> bool:
+    """Whether the template renders the functions offered itself (it reads `tools`)."""
+    from jinja2 import meta
+
+    return "tools" in meta.find_undeclared_variables(_compiled(template).environment.parse(template))
+
+
+def with_tools(template: str, messages: Sequence[Message], tools: Sequence[dict] | None) -> tuple[list, dict]:
+    """The messages and the template's extra arguments for a conversation that may hold tool
+    calls and results, with `tools` (function definitions) offered: in Hugging Face's shape for a
+    template with a tools section, else as plain turns (`tasks.common.tools.plain`)."""
+    if not tools and not any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
+        return list(messages), {}
+    if not has_tools_section(template):
+        return tool_calls.plain(messages, tools or []), {}
+    shaped = [
+        {**m, "tool_calls": [_hf_call(c) for c in m["tool_calls"]]} if m.get("tool_calls") else m for m in messages
+    ]
+    return shaped, ({"tools": [{"type": "function", "function": f} for f in tools]} if tools else {})
+
+
+def _hf_call(call: dict) -> dict:
+    function = {"name": call["name"], "arguments": call["arguments"]}
+    return {"type": "function", "function": function} | ({"id": call["id"]} if "id" in call else {})
+
+
 def render(
     template: str | None,
     messages: Sequence[Message],
     special: dict[str, str],
     where: str,
     generation_prompt: bool = True,
+    tools: Sequence[dict] | None = None,
 ) -> str:
-    """The conversation as the model reads it; with `generation_prompt`, up to where the
-    assistant's answer begins."""
+    """The conversation as the model reads it, with the functions `tools` offered; with
+    `generation_prompt`, up to where the assistant's answer begins."""
     import jinja2
 
     if not template:
         raise UserError(f"{where} has no chat template: use plain prompts (without --chat).")
+    messages, extra = with_tools(template, messages, tools)
     try:
-        return _compiled(template).render(messages=list(messages), add_generation_prompt=generation_prompt, **special)
+        return _compiled(template).render(
+            messages=messages, add_generation_prompt=generation_prompt, **special, **extra
+        )
     except (jinja2.TemplateError, TypeError, IndexError, KeyError) as error:
         raise UserError(f"The chat template of {where} fails on this conversation: {error}") from None
 
@@ -110,7 +143,7 @@ def parts(render: Callable[[Sequence[Message]], str], messages: Sequence[Message
     template that trims a content (Gemma's) writes it trimmed; one that changes it otherwise
     gets it as given."""
     whole = render(messages)
-    marked = render([{**m, "content": f"\ue000{i}\ue001"} for i, m in enumerate(messages)])
+    marked = render([{**m, "content": f"\ue000{i}\ue001"} if m.get("content") else m for i, m in enumerate(messages)])
     found, at = [], 0
     pieces = re.split("\ue000(\\d+)\ue001", marked)
     for index, piece in enumerate(pieces):

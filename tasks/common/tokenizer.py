@@ -15,7 +15,7 @@ import tokenizers
 
 from core.checkpoints import pretrained
 from core.errors import UserError
-from tasks.common import chat
+from tasks.common import chat, tools
 
 PAD, UNK, BOS, EOS = 0, 1, 2, 3
 
@@ -26,7 +26,7 @@ class Tokenizer:
 
     FILE = "tokenizer.model"
     pad_id, bos_id, eos_id, start_id, stop_ids = PAD, BOS, EOS, BOS, (EOS,)
-    chat_template = None
+    chat_template = tool_format = None
 
     def __init__(self, model_proto: bytes):
         self.model_proto = model_proto
@@ -118,6 +118,7 @@ class PretrainedTokenizer:
     FILE = "tokenizer.json"
     SIZE_FILE = "pretrained_vocab.json"
     CONFIG_FILE = "tokenizer_config.json"
+    tool_format = tools  # how its chats offer functions and read calls back
 
     def __init__(self, text: str, vocab_size: int, where: str, config: dict | None = None):
         try:
@@ -220,18 +221,23 @@ class PretrainedTokenizer:
         encoding = self.tokenizer.encode(text, add_special_tokens=False)
         return encoding.ids, encoding.offsets
 
-    def render_chat(self, messages: Sequence[chat.Message], generation_prompt: bool = True) -> str:
-        """A conversation as the checkpoint's chat template writes it (with `generation_prompt`,
-        up to where the assistant's answer begins)."""
+    def render_chat(
+        self, messages: Sequence[chat.Message], generation_prompt: bool = True, tools: Sequence[dict] | None = None
+    ) -> str:
+        """A conversation as the checkpoint's chat template writes it, with the functions `tools`
+        offered (with `generation_prompt`, up to where the assistant's answer begins)."""
         special = {key: self.config[key] for key in ("bos_token", "eos_token", "pad_token") if key in self.config}
-        return chat.render(self.chat_template, messages, special, self.where, generation_prompt)
+        return chat.render(self.chat_template, messages, special, self.where, generation_prompt, tools)
 
-    def chat_ids(self, messages: Sequence[chat.Message], content_markers: bool = False) -> list[int]:
-        """A conversation rendered for the assistant's answer, as ids (the template writes BOS
-        itself where it wants one). Only the template places control tokens: a message's
-        content is text, so `<|im_end|>` typed in it is spelled out, never read as the end of a
-        turn (as llama-server and vLLM treat content), unless `content_markers`."""
-        parts = chat.parts(self.render_chat, messages)
+    def chat_ids(
+        self, messages: Sequence[chat.Message], content_markers: bool = False, tools: Sequence[dict] | None = None
+    ) -> list[int]:
+        """A conversation rendered for the assistant's answer, with the functions `tools`
+        offered, as ids (the template writes BOS itself where it wants one). Only the template
+        places control tokens: a message's content is text, so `<|im_end|>` typed in it is
+        spelled out, never read as the end of a turn (as llama-server and vLLM treat content),
+        unless `content_markers`."""
+        parts = chat.parts(lambda conversation: self.render_chat(conversation, tools=tools), messages)
         ids, offsets = self.pieces_with_offsets("".join(text for text, _ in parts))
         bounds = np.cumsum([0, *(len(text) for text, _ in parts)])
         spans = [(a, b) for (_, is_content), a, b in zip(parts, bounds, bounds[1:]) if is_content]

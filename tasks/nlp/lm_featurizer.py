@@ -31,9 +31,10 @@ class LMFeaturizer:
 
     def prompt(self, example: dict, system: str = "") -> list[int]:
         """The ids that a generation continues: a conversation (`messages`) rendered with the
-        checkpoint's chat template, with `system` as its system message if given (control
-        tokens typed in its content are text, unless `content_markers` says otherwise); or a
-        text after the start id, as documents begin in training."""
+        checkpoint's chat template, with `system` as its system message if given and the
+        functions `tools` offered (control tokens typed in its content are text, unless
+        `content_markers` says otherwise); or a text after the start id, as documents begin in
+        training."""
         if "messages" in example:
             if self.tokenizer.chat_template is None:
                 raise UserError(
@@ -41,7 +42,7 @@ class LMFeaturizer:
                     "--chat ...); this model's tokenizer has none."
                 )
             messages = chat.with_system(example["messages"], system)
-            return self.tokenizer.chat_ids(messages, example.get("content_markers", False))
+            return self.tokenizer.chat_ids(messages, example.get("content_markers", False), example.get("tools"))
         return [self.tokenizer.start_id, *self.tokenizer.pieces([example["text"]])[0]]
 
     def continuation(self, prompt: Sequence[int], new: Sequence[int]) -> str:
