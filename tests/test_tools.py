@@ -285,3 +285,44 @@ def test_each_bad_tool_value_is_named(server, body, param):
     url, _ = server
     response = httpx.post(f"{url}/v1/chat/completions", json=body, headers=auth())
     assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+
+
+def streamed(answer: str, offer, stops=()) -> tuple[list[tuple[str, str | None]], dict]:
+    """An answer, a character a token, through a chat choice: the stream's (text, finish reason)
+    events, and the whole answer's message."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from core.serving.completions import Choice
+
+    loop = asyncio.new_event_loop()
+    events = asyncio.Queue()
+    choice = Choice(lambda prompt, new: "".join(map(chr, new)), [0], list(stops), 0, events, loop, True, offer)
+    choice.request = SimpleNamespace(cancel=lambda: None, logprobs=None)
+    for character in answer:
+        choice._take(ord(character), None)
+    choice._take(None, "stop")
+    sent = []
+    while not events.empty():
+        _, text, reason, _ = events.get_nowait()
+        sent.append((text, reason))
+    loop.close()
+    return sent, choice.message()
+
+
+def test_a_stream_sends_the_words_before_a_call_and_never_the_call():
+    from core.serving.tools import Offer
+
+    auto = Offer([WEATHER], None, True, tools)
+    words = "Let me check.\n"
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    sent, message = streamed(words + call, auto)
+    assert "".join(text for text, _ in sent) == "Let me check." and sent[-1][1] == "tool_calls"
+    assert all("<" not in text for text, _ in sent)  # not even the beginning of the opening tag
+    assert message["content"] == "Let me check." and len(message["tool_calls"]) == 1
+    assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"city": "Oslo"}
+    sent, message = streamed('{"name": "get_weather", "arguments": {"city": "Oslo"}}', auto)  # a bare call
+    assert [text for text, _ in sent] == [""] and message["content"] is None and message["tool_calls"]
+    sent, message = streamed("It is <b>sunny</b>.", auto)  # words alone: all of them, as they come
+    assert "".join(text for text, _ in sent) == "It is <b>sunny</b>." and sent[-1][1] == "stop"
+    assert message == {"role": "assistant", "content": "It is <b>sunny</b>."}

@@ -305,14 +305,16 @@ class Choice:
 
     def _shown(self, text: str) -> str:
         """What a stream may send of the answer so far: not what may begin a stop sequence and,
-        where functions are offered, nothing from a call on (an answer that opens with JSON may
-        be a bare call: it waits whole; a forced answer is calls alone)."""
+        where functions are offered, nothing from a call on, nor the space before one (an
+        answer that opens with JSON may be a bare call: it waits whole; a forced answer is calls
+        alone)."""
         held = self.stops
         if self.offer is not None:
             if self.offer.forced is not None or not text.strip() or text.lstrip().startswith(("{", "[")):
                 return ""
             opening = self.offer.format.OPENING
             text, held = text.split(opening, 1)[0], [*held, opening]
+            return text[: len(text) - _undecided(text, held)].rstrip()
         return text[: len(text) - _undecided(text, held)]
 
     def _end(self, text: str, reason: str) -> None:
