@@ -191,11 +191,11 @@ def predict(
 ) -> None:
     """Predict with WORKDIR's best checkpoint (or a pretrained --model).
 
-    --format json, jsonl and csv write typed values in full; the table rounds them."""
+    --format json, jsonl and csv write typed values in full; the table rounds them; speech: srt, vtt."""
     from core.options import switches
 
-    terminal.check_format(form)
     task_type = _task(task)
+    terminal.check_format(form, task_type.formats)
     if model is not None and workdir is not None:
         raise UserError("Give --workdir (a trained run) or --model (a pretrained checkpoint), not both.")
     lines, options = terminal.split_options(inputs or [], switches(task_type.predict_options))
@@ -211,7 +211,7 @@ def predict(
     if writer is not None and writer.started:
         writer("\n")
         return
-    terminal.write({f"{task}: predictions": rows}, form, output)
+    terminal.write({f"{task}: predictions": rows}, form, output, formats=task_type.formats)
 
 
 class _Streamed:

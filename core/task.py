@@ -251,6 +251,10 @@ class Task(abc.ABC):
         (or [L, D], one per position, with `per_position`)."""
         raise UserError(f"apps embed does not read {self.name} runs.")
 
+    # Output formats of its own beside the tables' (`apps predict TASK --format NAME`), each
+    # writing one document per row: speech's subtitles (srt, vtt).
+    formats: ClassVar[dict[str, Callable[[dict], str]]] = {}
+
     # Named decodings, as values of `predict_options` ({"greedy": {"beams": 1}, "beam": {"beams":
     # 4}}), under which `apps eval` generates for the split and reports `score_generated` side by
     # side. Empty, the default: evaluation is the forward pass alone.

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import typer
@@ -26,22 +27,31 @@ from core.errors import LostPeer, UserError
 FORMATS = ("table", "json", "jsonl", "csv")
 
 
-def check_format(form: str) -> None:
-    """`--format`: one of `FORMATS`, checked before any work."""
-    if form not in FORMATS:
-        raise UserError(f"--format {form!r}: expected one of {', '.join(FORMATS)}.")
+def check_format(form: str, formats: Mapping[str, Callable] = {}) -> None:  # noqa: B006
+    """`--format`: one of `FORMATS` or of a task's own `formats`, checked before any work."""
+    if form not in FORMATS and form not in formats:
+        raise UserError(f"--format {form!r}: expected one of {', '.join([*FORMATS, *formats])}.")
 
 
 def console() -> Console:
     return Console(highlight=False)
 
 
-def write(tables: dict[str, list[dict]], form: str, output: Path | None = None, document=None) -> None:
+def write(
+    tables: dict[str, list[dict]],
+    form: str,
+    output: Path | None = None,
+    document=None,
+    formats: Mapping[str, Callable[[dict], str]] = {},  # noqa: B006
+) -> None:
     """Writes `tables` (title: rows) to stdout or `output`: as rich tables whose cells fold
     rather than cut; as one JSON document (`document` if given, else the rows, or title: rows for
-    several tables); as JSON lines; or as CSV. Rows of several tables carry their title in a
-    `table` field (JSON lines, CSV)."""
-    check_format(form)
+    several tables); as JSON lines; as CSV; or in a task's own format (`formats`: a document a
+    row, `documents`). Rows of several tables carry their title in a `table` field (JSON lines, CSV)."""
+    check_format(form, formats)
+    if form in formats:
+        documents([row for rows in tables.values() for row in rows], form, formats[form], output)
+        return
     several = len(tables) > 1
     rows = [{"table": title, **row} if several else row for title, rows in tables.items() for row in rows]
     text = io.StringIO()
@@ -60,11 +70,38 @@ def write(tables: dict[str, list[dict]], form: str, output: Path | None = None, 
         sys.stdout.write(text.getvalue())  # empty for tables, printed by the console
         sys.stdout.flush()
         return
+    _write_text(output, text.getvalue())
+
+
+def documents(rows: list[dict], form: str, write: Callable[[dict], str], output: Path | None) -> None:
+    """A document per row, `write(row)`: one row to stdout or the file `output`; several (or an
+    `output` that is a folder) each into that folder, named after its row's `file` (a.wav ->
+    a.srt) or its number."""
+    if output is None or (len(rows) == 1 and not output.is_dir()):
+        text = write(rows[0]) if rows else ""
+        if output is None:
+            sys.stdout.write(text)
+            return
+        return _write_text(output, text)
+    if output.exists() and not output.is_dir():
+        raise UserError(f"--output {output}: {len(rows)} documents go into a folder, and this is a file.")
+    names: set[str] = set()
+    for number, row in enumerate(rows, 1):
+        stem = Path(str(row.get("file", number))).stem
+        name = next(
+            n for n in (f"{stem}.{form}", *(f"{stem}-{k}.{form}" for k in range(2, len(rows) + 2))) if n not in names
+        )
+        names.add(name)
+        _write_text(output / name, write(row))
+
+
+def _write_text(path: Path, text: str) -> None:
     try:
-        output.write_text(text.getvalue(), encoding="utf-8")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
     except OSError as error:
-        raise UserError(f"--output {output}: cannot be written ({error.strerror or error}).") from None
-    print(f"Wrote {output}.", file=sys.stderr)
+        raise UserError(f"--output {path}: cannot be written ({error.strerror or error}).") from None
+    print(f"Wrote {path}.", file=sys.stderr)
 
 
 def _print_tables(tables: dict[str, list[dict]], printer: Console) -> None:
@@ -78,10 +115,13 @@ def _print_tables(tables: dict[str, list[dict]], printer: Console) -> None:
 
 
 def cell(value) -> str:
-    """A value as a table shows it to people: floats to 4 decimals, lists joined by commas."""
+    """A value as a table shows it to people: floats to 4 decimals, lists joined by commas, a
+    list of records a line per record."""
     if isinstance(value, float):
         return f"{value:.4f}"
     if isinstance(value, list | tuple):
+        if value and all(isinstance(item, dict) for item in value):  # records (a transcript's segments): a line each
+            return "\n".join(" ".join(cell(v) for v in item.values()) for item in value)
         return ", ".join(cell(item) for item in value)
     return "" if value is None else str(value)
 

@@ -405,3 +405,29 @@ def test_decoding_penalties_are_checked():
         Sampling(max_new_tokens=4, no_repeat_ngram=-1)
     with pytest.raises(UserError, match="word_reward=nan"):
         beam_settings(beam_size=2, max_new_tokens=4, stop_tokens=(0,), word_reward=float("nan"))
+
+
+def test_the_timestamp_rules_keep_whispers_shape():
+    """Text ids 0-4, the end 5, a special 6, timestamps 7-9 (the first 7, at most one step in):
+    each case's allowed ids worked out by hand from openai-whisper's rules."""
+    from core.generation.timestamps import Timestamps, rules
+
+    settings = Timestamps(begin=7, end=5, max_initial=1)
+    flat = jnp.zeros(10)
+    text_likely = flat.at[:5].set(3.0)  # text far likelier than any timestamp
+
+    def allowed(generated, logits=flat):
+        row = jnp.asarray([generated + [0] * (6 - len(generated))], jnp.int32)
+        out = rules(logits[None, :], row, jnp.int32(len(generated)), settings)[0]
+        return [int(i) for i in jnp.flatnonzero(jnp.isfinite(out))]
+
+    assert allowed([]) == [7, 8]  # a window opens with a timestamp, within the first step
+    assert allowed([7]) == [0, 1, 2, 3, 4, 5, 6]  # after the opening one: text (or the end)
+    assert allowed([7, 2], text_likely) == [0, 1, 2, 3, 4, 5, 6, 8, 9]  # later than 7, or more text
+    assert allowed([7, 2]) == [8, 9]  # the timestamps together outweigh the likeliest text token
+    # A segment's end: the end token, or its time again to open the next (text far likelier
+    # than the end here, which the ban on text leaves to the timestamps).
+    assert allowed([7, 2, 8], flat.at[:6].set(3.0)) == [5, 6, 8, 9]
+    assert allowed([7, 2, 8], text_likely) == [8, 9]
+    assert allowed([7, 2, 8, 8], text_likely) == [0, 1, 2, 3, 4, 5, 6]  # after a pair: text
+    assert allowed([7, 2, 9, 9, 3], text_likely) == [0, 1, 2, 3, 4, 5, 6]  # no timestamp left past 9

@@ -185,14 +185,16 @@ def test_a_window_that_loops_or_is_doubted_is_decoded_again_at_rising_temperatur
     first = [(loop, -0.05, 0.01), ("call me back", -0.2, 0.01), ("you you you you you you", -0.1, 0.9)]
     calls = []
 
-    def decode(model, featurizer, frames, start, batch_size, *, beam_width=1, temperature=0.0, seed=0):
+    def decode(model, featurizer, frames, start, batch_size, *, beam_width=1, temperature=0.0, seed=0, timestamps=None):
         calls.append((len(frames), temperature))
         if temperature == 0.0:
-            return list(first)
+            found = first
         # At 0.2 the likeliest of the five samples still loops; at 0.4 the likeliest is right.
-        if temperature == 0.2:
-            return [("five five five five five five five five five five five five", -0.3, 0.01)] * 5
-        return [("five fine", -1.5, 0.01), ("five nine", -0.4, 0.01)] + [("nine", -0.9, 0.01)] * 3
+        elif temperature == 0.2:
+            found = [("five five five five five five five five five five five five", -0.3, 0.01)] * 5
+        else:
+            found = [("five fine", -1.5, 0.01), ("five nine", -0.4, 0.01)] + [("nine", -0.9, 0.01)] * 3
+        return [speech_whisper.Decoded([], *window) for window in found]
 
     monkeypatch.setattr(speech_whisper, "_decode", decode)
     clips = [{"id": None, "audio": np.zeros(1600, np.float32), "where": f"clip {i}", "text": ""} for i in range(3)]

@@ -258,29 +258,34 @@ class Vocabulary:
     def multilingual(self) -> bool:
         return bool(self.languages)
 
-    def prompt(self, language: str | None = "en", task: str = "transcribe") -> list[int]:
+    def prompt(self, language: str | None = "en", task: str = "transcribe", timestamps: bool = False) -> list[int]:
         """The decoder's first tokens: start, then (multilingual) the language and the task,
-        then no-timestamps."""
+        then no-timestamps unless the transcript is to carry `timestamps`."""
         if not self.multilingual:
             if language not in (None, "en") or task != "transcribe":
                 raise UserError(
                     f"This Whisper model is English-only: it transcribes English (--language en, --task transcribe), "
                     f"not --language {language} --task {task}; use whisper-base for other languages."
                 )
-            return [self.start, self.no_timestamps]
-        if language not in self.languages:
-            raise UserError(
-                f"--language {language!r} is not one of this model's {len(self.languages)} languages "
-                f"({', '.join(sorted(self.languages))})."
-            )
-        if task not in ("transcribe", "translate"):
-            raise UserError(f"--task {task!r}: Whisper's tasks are transcribe and translate.")
-        return [self.start, self.languages[language], getattr(self, task), self.no_timestamps]
+            head = [self.start]
+        else:
+            if language not in self.languages:
+                raise UserError(
+                    f"--language {language!r} is not one of this model's {len(self.languages)} languages "
+                    f"({', '.join(sorted(self.languages))})."
+                )
+            if task not in ("transcribe", "translate"):
+                raise UserError(f"--task {task!r}: Whisper's tasks are transcribe and translate.")
+            head = [self.start, self.languages[language], getattr(self, task)]
+        return head if timestamps else [*head, self.no_timestamps]
 
-    def decoding(self, language: str | None = "en", task: str = "transcribe") -> Start:
+    def decoding(self, language: str | None = "en", task: str = "transcribe", timestamps: bool = False) -> Start:
         """How a transcript's decoding starts: the prompt, the suppressed ids (always, and the
-        blank and end at the first token), and the no-speech probability probed after the start."""
-        return Start(tuple(self.prompt(language, task)), self.suppress, self.suppress_at_begin, self.no_speech)
+        blank and end at the first token; with `timestamps`, no-timestamps too), and the
+        no-speech probability probed after the start."""
+        suppress = (*self.suppress, self.no_timestamps) if timestamps else self.suppress
+        prompt = tuple(self.prompt(language, task, timestamps))
+        return Start(prompt, suppress, self.suppress_at_begin, self.no_speech)
 
 
 def vocabulary(name_or_path: str) -> Vocabulary:

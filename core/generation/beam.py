@@ -24,6 +24,8 @@ import jax.numpy as jnp
 
 from core.errors import UserError
 from core.generation import penalties
+from core.generation.timestamps import Timestamps
+from core.generation.timestamps import rules as timestamp_rules
 
 
 class Beams(NamedTuple):
@@ -53,12 +55,14 @@ def beam_search(
     no_repeat_ngram: int = 0,
     word_reward: float = 0.0,
     early_stopping: bool = False,
+    timestamps: Timestamps | None = None,
 ) -> Beams:
     """The `beam_size` best continuations of each row, from `state` and the `logits` [B, V] for
     its first new token. A beam ends at its first stop token; beams still alive after
     `max_new_tokens` come after every ended one, filling the places that no ended beam took.
     With `early_stopping` (Whisper's and CTranslate2's search) a row's output is its first W
-    ended beams; without, the search goes on while a live beam could still outscore one."""
+    ended beams; without, the search goes on while a live beam could still outscore one. With
+    `timestamps`, every beam keeps to Whisper's timestamp rules (`core.generation.timestamps`)."""
     B, V = logits.shape
     W, M, alpha = beam_size, max_new_tokens, length_penalty
     if not 2 * W <= V:
@@ -77,6 +81,7 @@ def beam_search(
         no_repeat_ngram=no_repeat_ngram,
         word_reward=word_reward,
         early_stopping=early_stopping,
+        timestamps=timestamps,
     )
     carry = search.start(state, logits)
     index, (alive_tokens, alive_scores), finished, _, _ = jax.lax.while_loop(search.running, search.body, carry)
@@ -112,6 +117,7 @@ class _Search:
     no_repeat_ngram: int
     word_reward: float
     early_stopping: bool
+    timestamps: Timestamps | None
 
     def start(self, state, logits):
         """The carry after the first new token, from the prompt's `state` and `logits` [B, V]."""
@@ -147,6 +153,8 @@ class _Search:
         alive and finished; -> alive, finished, flat parent of each new beam [B * W], its token."""
         B, W, M, V = self.rows, self.beams, self.max_new_tokens, self.vocabulary
         alive_tokens, alive_scores = alive
+        if self.timestamps is not None:  # on the logits: the allowed tokens' probabilities sum to 1
+            logits = timestamp_rules(logits, alive_tokens.reshape(B * W, M), index, self.timestamps)
         log_probs = penalties.adjust(
             jax.nn.log_softmax(logits, axis=-1),
             alive_tokens.reshape(B * W, M),

@@ -27,6 +27,8 @@ from jax.experimental import io_callback
 
 from core.errors import UserError
 from core.generation import abandon, penalties
+from core.generation.timestamps import Timestamps
+from core.generation.timestamps import rules as timestamp_rules
 
 State = Any
 Step = Callable[[State, jax.Array], tuple[jax.Array, State]]
@@ -39,7 +41,8 @@ class Sampling:
     """How `sample` picks tokens: temperature 0 is greedy (argmax); else softmax(logits / T),
     restricted to the `top_k` most likely tokens and then to the smallest set of them whose
     probability reaches `top_p` (None: no restriction; greedy ignores both). The logits are
-    first adjusted by `core.generation.penalties` (`no_repeat_ngram`, `word_reward`)."""
+    first adjusted by `core.generation.penalties` (`no_repeat_ngram`, `word_reward`) and, with
+    `timestamps`, kept to Whisper's timestamp rules (`core.generation.timestamps`)."""
 
     max_new_tokens: int
     temperature: float = 0.0
@@ -48,6 +51,7 @@ class Sampling:
     stop_tokens: tuple[int, ...] = ()
     no_repeat_ngram: int = 0
     word_reward: float = 0.0
+    timestamps: Timestamps | None = None
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -118,6 +122,8 @@ def sample(
     B = logits.shape[0]
 
     def pick(index, logits, tokens, lengths, log_probs, done):
+        if sampling.timestamps is not None:
+            logits = timestamp_rules(logits, tokens, index, sampling.timestamps)
         logits = penalties.adjust(logits, tokens, index, stops, sampling.no_repeat_ngram, sampling.word_reward)
         token = jnp.where(done, 0, choose(logits, jax.random.fold_in(key, index), sampling))
         if on_tokens is not None:
@@ -169,6 +175,7 @@ class BeamSettings(NamedTuple):
     no_repeat_ngram: int = 0
     word_reward: float = 0.0
     early_stopping: bool = False
+    timestamps: Timestamps | None = None
 
 
 def beam_settings(**fields) -> BeamSettings:

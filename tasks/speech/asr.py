@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -39,7 +39,7 @@ from core.options import PredictOption, RequestLimits
 from core.presets import tiny_body, tiny_preset
 from core.run import Predictor
 from core.task import Task, final
-from tasks.speech import audio, corpus
+from tasks.speech import audio, corpus, subtitles
 from tasks.speech.ctc import CTCOutputs, CTCRoute
 from tasks.speech.featurizer import SpeechFeaturizer
 from tasks.speech.scoring import NORMALIZATION, grouped_error_rates
@@ -176,7 +176,18 @@ class SpeechTask(Task):
             "language", str, "", "Whisper: the language spoken, as a code (de, fr, ...; default data.language)"
         ),
         PredictOption("task", str, "", "Whisper: transcribe, or translate into English (default data.whisper_task)"),
+        PredictOption(
+            "timestamps", bool, True, "Whisper: each file's segments with their times, from its timestamp tokens"
+        ),
+        PredictOption(
+            "batched",
+            bool,
+            False,
+            "Whisper: long audio cut at quiet moments and decoded at once (faster; segments stop at the cuts)",
+        ),
     )
+    # Subtitles, one document per file (`apps predict speech --format srt`).
+    formats: ClassVar[dict[str, Callable[[dict], str]]] = {"srt": subtitles.srt, "vtt": subtitles.vtt}
     # A Whisper checkpoint transcribes as it is (apps predict speech --model whisper-tiny.en),
     # in Whisper's own 30 s windows (the fine-tuning presets' 10 s would cut long audio finer).
     zero_shot: ClassVar[bool] = True
@@ -292,10 +303,10 @@ class SpeechTask(Task):
         """Transcripts of the examples, by the route's decoding (`beam_width` 1: greedy)."""
         if options["beam_width"] < 1:
             raise UserError(f"--beam-width {options['beam_width']}: must be at least 1 (1 is greedy).")
-        texts = self.route.transcribe(model, featurizer, examples, options)
-        if on_text is not None and texts:
-            on_text("  " + texts[0])
-        return {"text": texts}
+        found = self.route.transcribe(model, featurizer, examples, options)
+        if on_text is not None and found["text"]:
+            on_text("  " + found["text"][0])
+        return found
 
     def parse_inputs(self, lines: Sequence[str], options: dict) -> list[dict]:
         paths = [line.strip() for line in lines if line.strip()]
@@ -321,7 +332,15 @@ class SpeechTask(Task):
         return examples
 
     def render(self, predictions, examples, featurizer) -> list[dict[str, Any]]:
-        return [{"file": e["path"], "transcript": text} for e, text in zip(examples, predictions["text"])]
+        """A row per file: its transcript and, from Whisper with timestamps, its language and
+        segments ({"start", "end", "text"}, seconds into the file)."""
+        timed = [
+            {k: predictions[k][i] for k in ("language", "segments") if k in predictions} for i in range(len(examples))
+        ]
+        return [
+            {"file": e["path"], "transcript": text, **more}
+            for e, text, more in zip(examples, predictions["text"], timed)
+        ]
 
 
 def voice_groups(example: dict) -> tuple[str, ...]:
@@ -335,14 +354,6 @@ def voice_groups(example: dict) -> tuple[str, ...]:
     return (f"variant-{variant}", accent_group) if variant in corpus.VARIANTS_HELD_OUT else (accent_group,)
 
 
-def as_float_samples(samples) -> np.ndarray:
-    """Samples as float32 in [-1, 1]: integer PCM is divided by its type's full scale."""
-    samples = np.asarray(samples)
-    if np.issubdtype(samples.dtype, np.integer):
-        return (samples / (np.iinfo(samples.dtype).max + 1)).astype(np.float32)
-    return samples.astype(np.float32)
-
-
 class Transcriber(Predictor):
     """A trained speech workdir, or a Whisper checkpoint as it is, loaded once, for Python
     prototypes:
@@ -350,6 +361,7 @@ class Transcriber(Predictor):
     from tasks.speech.asr import Transcriber
     Transcriber("runs/speech").transcribe(["a.wav", "b.flac"], beam_width=8)  # [transcript]
     Transcriber(model="whisper-tiny.en").transcribe([samples_16khz, "c.wav"], beam_width=1)
+    Transcriber(model="whisper-tiny.en").segments(["talk.flac"])  # [{"text", "language", "segments"}]
     Transcriber(model="whisper-base", dtype="bfloat16")  # its linear layers' weights in bfloat16
     """
 
@@ -358,12 +370,26 @@ class Transcriber(Predictor):
 
     def transcribe(self, clips: Sequence[str | Path | np.ndarray], beam_width: int = 8) -> list[str]:
         """The transcript of each clip: an audio file, or samples at 16 kHz: floats in [-1, 1],
-        or integer PCM (int16 as WAV files hold it), scaled to [-1, 1]."""
-        examples = [
-            {"id": None, "audio": None, "path": str(c), "text": "", "voice": None}
-            if isinstance(c, (str, Path))
-            else {"id": None, "audio": as_float_samples(c), "where": f"clip {i}", "text": "", "voice": None}
-            for i, c in enumerate(clips, 1)
-        ]
-        options = self.options({"beam_width": beam_width})
-        return self.task.generate(self.model, self.featurizer, examples, options)["text"]
+        or integer PCM (int16 as WAV files hold it), scaled to [-1, 1]. Text alone (Whisper
+        decodes without timestamp tokens, as fine-tuning teaches it)."""
+        options = self.options({"beam_width": beam_width, "timestamps": False})
+        return self.task.generate(self.model, self.featurizer, _examples(clips), options)["text"]
+
+    def segments(self, clips: Sequence[str | Path | np.ndarray], beam_width: int = 8, batched: bool = False):
+        """Each clip's transcript with its language and its segments, each {"start", "end",
+        "text"} in seconds (Whisper's timestamp tokens: `tasks.speech.segments`); clips as
+        `transcribe` takes them."""
+        options = self.options({"beam_width": beam_width, "timestamps": True, "batched": batched})
+        found = self.task.generate(self.model, self.featurizer, _examples(clips), options)
+        if "segments" not in found:
+            raise UserError("Segments with times come from Whisper; a CTC model gives text alone (transcribe).")
+        return [{k: found[k][i] for k in ("text", "language", "segments")} for i in range(len(clips))]
+
+
+def _examples(clips: Sequence[str | Path | np.ndarray]) -> list[dict]:
+    return [
+        {"id": None, "audio": None, "path": str(c), "text": "", "voice": None}
+        if isinstance(c, (str, Path))
+        else {"id": None, "audio": audio.as_float_samples(c), "where": f"clip {i}", "text": "", "voice": None}
+        for i, c in enumerate(clips, 1)
+    ]

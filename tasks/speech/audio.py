@@ -78,6 +78,14 @@ def decode_audio(
     return check_audible(mono.astype(np.float32), where, silence_allowed)
 
 
+def as_float_samples(samples) -> np.ndarray:
+    """Samples as float32 in [-1, 1]: integer PCM is divided by its type's full scale."""
+    samples = np.asarray(samples)
+    if np.issubdtype(samples.dtype, np.integer):
+        return (samples / (np.iinfo(samples.dtype).max + 1)).astype(np.float32)
+    return samples.astype(np.float32)
+
+
 def check_audible(samples: np.ndarray, where: str, silence_allowed: bool = False) -> np.ndarray:
     """`samples`, unless they are empty, not finite, or silent (unless `silence_allowed`)."""
     if not np.all(np.isfinite(samples)):
@@ -117,16 +125,25 @@ def whisper_log_mel(samples: np.ndarray, bins: int = NUM_MELS, frames: int = WHI
     with silence (or cut) to frames * 10 ms, the power of centered 400-sample periodic-Hann
     windows every 160 samples (reflect-padded at the ends, the last frame dropped) through
     `whisper_filters`, log10 floored at 1e-10 and at 8 below the clip's maximum, then (x + 4) / 4.
-    Padding in samples, as Whisper and Hugging Face do, not in features: silence after a clip
-    reads as the clip's own floor."""
+    Padding in samples, as Hugging Face's feature extractor does, for fine-tuning and every
+    window of transcription: silence after a clip reads as the clip's own floor. (Whisper's and
+    faster-whisper's transcribe() instead slice one log-mel of the whole recording and pad a
+    window's features with zeros; greedy on 96 test sentences of the embedded corpus, that read
+    44.9 WER without timestamps and 45.6 with them, against 42.9 and 43.3 here.)"""
+    length = frames * HOP
+    samples = np.pad(samples[:length], (0, max(length - len(samples), 0)))
+    log = _log10_mel(samples, bins)
+    return ((np.maximum(log, log.max() - 8.0) + 4.0) / 4.0).T.astype(np.float32)
+
+
+def _log10_mel(samples: np.ndarray, bins: int) -> np.ndarray:
+    """log10 of the mel power [bins, frames] of `whisper_log_mel`, before its floor and scaling."""
     import librosa
 
-    length = frames * HOP
-    samples = np.pad(samples[:length], (0, max(length - len(samples), 0))).astype(np.float32)
+    samples = samples.astype(np.float32)
     spectrum = librosa.stft(samples, n_fft=WINDOW, hop_length=HOP, window="hann", center=True, pad_mode="reflect")
     power = np.abs(spectrum[:, :-1]) ** 2
-    log = np.log10(np.maximum(whisper_filters(bins) @ power, 1e-10))
-    return ((np.maximum(log, log.max() - 8.0) + 4.0) / 4.0).T.astype(np.float32)
+    return np.log10(np.maximum(whisper_filters(bins) @ power, 1e-10))
 
 
 def log_mel(samples: np.ndarray) -> np.ndarray:

@@ -92,7 +92,7 @@ class CTCRoute:
         ]
         return self.task.score_generated({"text": texts}, examples, featurizer)
 
-    def transcribe(self, model, featurizer: SpeechFeaturizer, examples, options: dict) -> list[str]:
+    def transcribe(self, model, featurizer: SpeechFeaturizer, examples, options: dict) -> dict[str, list]:
         """Greedy (`beam_width` 1) or CTC prefix beam search over the model's log-probabilities.
         Clips go in batches of similar lengths, padded to a `core.training.data.bucket_width` of
         frames (few compiled shapes)."""
@@ -113,7 +113,7 @@ class CTCRoute:
                 else:
                     ids = ctc_decoding.prefix_beam_search(frame_log_probs, width)
                 texts[row] = featurizer.decode(ids)
-        return texts
+        return {"text": texts}
 
 
 @functools.cache

@@ -26,7 +26,7 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import numpy as np
 from flax import nnx
@@ -36,6 +36,7 @@ from core.config import Config
 from core.errors import UserError
 from core.generation.beam import gnmt_penalty
 from core.generation.seq2seq import generate_beams_from_source, generate_from_source
+from core.generation.timestamps import Timestamps
 from core.model.encoder_decoder import Start
 from core.model.heads import Projection
 from core.task import scored_positions
@@ -105,10 +106,11 @@ class WhisperFeaturizer:
     def save(self, directory: Path) -> None:
         """Nothing beyond the config: the checkpoint holds the tokenizer."""
 
-    def decoding(self, language: str = "", task: str = "") -> Start:
+    def decoding(self, language: str = "", task: str = "", timestamps: bool = False) -> Start:
         """How a window's decoding starts (`Vocabulary.decoding`): in `language` and for `task`
-        where given, else the featurizer's own (English for an English-only model)."""
-        return self.vocabulary.decoding(language or self.language or "en", task or self.task)
+        where given, else the featurizer's own (English for an English-only model), with
+        timestamp tokens or without."""
+        return self.vocabulary.decoding(language or self.language or "en", task or self.task, timestamps)
 
     @property
     def window_frames(self) -> int:
@@ -164,6 +166,16 @@ class WhisperFeaturizer:
         return arrays
 
 
+class Decoded(NamedTuple):
+    """A window's decoding: its tokens up to the end token (timestamp tokens included), its
+    text, the mean log-probability per token (the end included), its no-speech probability."""
+
+    tokens: list[int]
+    text: str
+    log_prob: float
+    no_speech: float
+
+
 def transcribe(
     model,
     featurizer: WhisperFeaturizer,
@@ -174,45 +186,56 @@ def transcribe(
     fallback: bool = True,
 ):
     """Each example's transcript after the prompt `start` (`Vocabulary.decoding`: language and
-    task), greedy with `beam_width` 1, else beam search as Whisper's (the first W ended beams, by
-    log-probability over length), and, per example, the windows' no-speech probabilities.
-
-    With `fallback`, as Whisper's transcribe(): a window whose text repeats itself (its gzip
-    compression ratio above 2.4: greedy decoding caught in a loop) or whose tokens the model
-    doubts (mean log-probability below -1) is decoded again by sampling at rising temperatures,
-    0.2 to 1.0, the likeliest of 5 samples each, until one passes (or the last is kept)."""
+    task), its windows (`cut_windows`) decoded as one batch (`decode_windows`), and, per
+    example, the windows' no-speech probabilities."""
     pieces = []  # (example index, frames)
     for index, example in enumerate(examples):
         samples = clip(example, silence_allowed=True)  # Whisper says itself that a window holds no speech
         windows = cut_windows(samples, featurizer.window_samples)
         pieces += [(index, featurizer.frames(samples[window])) for window in windows]
-    frames = [f for _, f in pieces]
-    decoded = _decode(model, featurizer, frames, start, batch_size, beam_width=beam_width)
-    # A window that holds no speech gives no text, and is not decoded again.
-    retry = [i for i, (_, _, p) in enumerate(decoded) if p <= NO_SPEECH_THRESHOLD] if fallback else []
-    for step, temperature in enumerate(FALLBACK_TEMPERATURES):
-        retry = [i for i in retry if doubtful(*decoded[i][:2])]
-        if not retry:
-            break
-        samples = _decode(
-            model,
-            featurizer,
-            [frames[i] for i in retry for _ in range(BEST_OF)],
-            start,
-            batch_size,
-            temperature=temperature,
-            seed=step,
-        )
-        for n, i in enumerate(retry):
-            text, log_prob, _ = max(samples[n * BEST_OF : (n + 1) * BEST_OF], key=lambda sample: sample[1])
-            decoded[i] = (text, log_prob, decoded[i][2])
+    decoded = decode_windows(model, featurizer, [f for _, f in pieces], start, beam_width, batch_size, fallback)
     texts: list[list[str]] = [[] for _ in examples]
     no_speech: list[list[float]] = [[] for _ in examples]
-    for (index, _), (text, _, p) in zip(pieces, decoded):
-        no_speech[index].append(p)
-        if p <= NO_SPEECH_THRESHOLD and text:
-            texts[index].append(text)
+    for (index, _), window in zip(pieces, decoded):
+        no_speech[index].append(window.no_speech)
+        if window.no_speech <= NO_SPEECH_THRESHOLD and window.text:
+            texts[index].append(window.text)
     return [" ".join(parts) for parts in texts], no_speech
+
+
+def decode_windows(
+    model,
+    featurizer: WhisperFeaturizer,
+    frames: list[np.ndarray],
+    start: Start,
+    beam_width: int,
+    batch_size: int,
+    fallback: bool = True,
+    timestamps: Timestamps | None = None,
+) -> list[Decoded]:
+    """Each window's decoding after the prompt `start`, greedy with `beam_width` 1, else beam
+    search as Whisper's (the first W ended beams, by log-probability over length), with
+    Whisper's timestamp rules where `timestamps` are given.
+
+    With `fallback`, as Whisper's transcribe(): a window whose text repeats itself (its gzip
+    compression ratio above 2.4: greedy decoding caught in a loop) or whose tokens the model
+    doubts (mean log-probability below -1) is decoded again by sampling at rising temperatures,
+    0.2 to 1.0, the likeliest of 5 samples each, until one passes (or the last is kept). A
+    window that holds no speech is not decoded again: it gives no text."""
+    decoded = _decode(model, featurizer, frames, start, batch_size, beam_width=beam_width, timestamps=timestamps)
+    retry = [i for i, window in enumerate(decoded) if window.no_speech <= NO_SPEECH_THRESHOLD] if fallback else []
+    for step, temperature in enumerate(FALLBACK_TEMPERATURES):
+        retry = [i for i in retry if doubtful(decoded[i].text, decoded[i].log_prob)]
+        if not retry:
+            break
+        again = [frames[i] for i in retry for _ in range(BEST_OF)]
+        samples = _decode(
+            model, featurizer, again, start, batch_size, temperature=temperature, seed=step, timestamps=timestamps
+        )
+        for n, i in enumerate(retry):
+            best = max(samples[n * BEST_OF : (n + 1) * BEST_OF], key=lambda sample: sample.log_prob)
+            decoded[i] = best._replace(no_speech=decoded[i].no_speech)
+    return decoded
 
 
 def doubtful(text: str, mean_log_prob: float) -> bool:
@@ -225,11 +248,21 @@ def doubtful(text: str, mean_log_prob: float) -> bool:
 
 
 def _decode(
-    model, featurizer, frames: list, start: Start, batch_size: int, *, beam_width: int = 1, temperature=0.0, seed=0
-) -> list[tuple[str, float, float]]:
-    """(text, mean log-probability per token, the end included; no-speech probability) of each
-    window's frames, decoded in batches: beam search, or sampling (greedy at temperature 0)."""
-    settings = {"max_new_tokens": MAX_NEW_TOKENS, "start": start, "stop_tokens": [featurizer.vocabulary.end]}
+    model,
+    featurizer,
+    frames: list,
+    start: Start,
+    batch_size: int,
+    *,
+    beam_width: int = 1,
+    temperature=0.0,
+    seed=0,
+    timestamps: Timestamps | None = None,
+) -> list[Decoded]:
+    """Each window's frames decoded, in batches: beam search, or sampling (greedy at
+    temperature 0), with the timestamp rules where given."""
+    end = featurizer.vocabulary.end
+    settings = {"max_new_tokens": MAX_NEW_TOKENS, "start": start, "stop_tokens": [end], "timestamps": timestamps}
     decoded = []
     for first in range(0, len(frames), batch_size):
         chunk = frames[first : first + batch_size]
@@ -244,9 +277,10 @@ def _decode(
             generated = generate_from_source(model, chunk, temperature=temperature, seed=seed, **settings)
             tokens, lengths, log_probs, probe = generated
         for ids, length, log_prob, p in zip(tokens, lengths, log_probs, probe):
+            ended = bool(length > 0 and ids[length - 1] == end)
+            kept = [int(i) for i in ids[: int(length) - ended]]
             # Whisper's mean counts the text's tokens and one for the end, reached or not.
-            text_tokens = int(length) - int(length > 0 and ids[length - 1] == featurizer.vocabulary.end)
-            decoded.append((featurizer.decode(ids[:length]), float(log_prob) / (text_tokens + 1), float(p)))
+            decoded.append(Decoded(kept, featurizer.decode(kept), float(log_prob) / (len(kept) + 1), float(p)))
     return decoded
 
 
@@ -255,9 +289,13 @@ class WhisperRoute:
 
     # Validation WER is of greedy transcripts (without the temperature fallback, which would
     # cost a looping early checkpoint five samples per window and temperature); evaluation
-    # generates greedy and beam transcripts.
-    validation_decoding: ClassVar[dict[str, Any] | None] = {"beam_width": 1, "fallback": False}
-    evaluated_decodings: ClassVar[dict[str, dict[str, Any]]] = {"greedy": {"beam_width": 1}, "beam": {"beam_width": 5}}
+    # generates greedy and beam transcripts. Both read text alone, as fine-tuning teaches it
+    # (the no-timestamps prompt); `apps predict` gives segments with times.
+    validation_decoding: ClassVar[dict[str, Any] | None] = {"beam_width": 1, "fallback": False, "timestamps": False}
+    evaluated_decodings: ClassVar[dict[str, dict[str, Any]]] = {
+        "greedy": {"beam_width": 1, "timestamps": False},
+        "beam": {"beam_width": 5, "timestamps": False},
+    }
 
     def __init__(self, task: SpeechTask):
         self.task = task
@@ -289,9 +327,25 @@ class WhisperRoute:
     def score(self, predictions, examples: Sequence[dict], featurizer: WhisperFeaturizer) -> dict[str, float]:
         return {}
 
-    def transcribe(self, model, featurizer: WhisperFeaturizer, examples, options: dict) -> list[str]:
-        """Each clip's transcript, window by window (`transcribe`), in the prompt's language and task."""
-        prompt = featurizer.decoding(options["language"], options["task"])
-        batch_size, fallback = self.task.config.train.eval_batch_size, options.get("fallback", True)
-        texts, _ = transcribe(model, featurizer, examples, prompt, options["beam_width"], batch_size, fallback)
-        return texts
+    def transcribe(self, model, featurizer: WhisperFeaturizer, examples, options: dict) -> dict[str, list]:
+        """Each clip's transcript in the prompt's language and task: with `timestamps`, its
+        segments too (`tasks.speech.segments`), else window by window (`transcribe`)."""
+        from tasks.speech import segments
+
+        timed = options.get("timestamps", False)
+        prompt = featurizer.decoding(options["language"], options["task"], timed)
+        batch_size, fallback, width = (
+            self.task.config.train.eval_batch_size,
+            options.get("fallback", True),
+            options["beam_width"],
+        )
+        if not timed:
+            return {"text": transcribe(model, featurizer, examples, prompt, width, batch_size, fallback)[0]}
+        found = segments.transcribe(
+            model, featurizer, examples, prompt, width, batch_size, fallback, options.get("batched", False)
+        )
+        return {
+            "text": ["".join(s["text"] for s in timed).strip() for timed in found],
+            "language": [options["language"] or featurizer.language or "en"] * len(examples),
+            "segments": [[{**s, "text": s["text"].strip()} for s in timed] for timed in found],
+        }

@@ -1,0 +1,165 @@
+"""Whisper with timestamps: segments read from timestamp tokens as Whisper reads them, long audio
+advanced window by window, decoding that matches faster-whisper's on the same checkpoint, and
+subtitles that parse."""
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import apps
+from test_whisper import installed
+
+from core.generation.timestamps import Timestamps
+from tasks.speech import audio, segments, subtitles
+from tasks.speech.asr import Transcriber
+
+FIXTURES = Path(__file__).parent / "fixtures" / "whisper_timestamps"
+
+
+@pytest.fixture(scope="module")
+def transcriber():
+    return Transcriber(model=installed("whisper-tiny.en"))
+
+
+def at(seconds: float) -> int:
+    """whisper-tiny.en's timestamp token for a time: <|0.00|> is 50363, one a 20 ms step."""
+    return 50363 + round(seconds / 0.02)
+
+
+def test_a_windows_tokens_split_into_segments_as_whisper_splits_them(transcriber):
+    featurizer = transcriber.featurizer
+    hello, there = featurizer.tokenizer.pieces([" Hello there."])[0], featurizer.tokenizer.pieces([" How now?"])[0]
+    # Two complete segments and one cut by the window: the next window starts at the second's end.
+    tokens = [at(0), *hello, at(1.5), at(1.5), *there, at(3.1), at(3.1), *hello]
+    found, read = segments.split(tokens, featurizer, offset=10.0, duration=30.0)
+    assert found == [
+        {"start": 10.0, "end": 11.5, "text": " Hello there."},
+        {"start": 11.5, "end": 13.1, "text": " How now?"},
+    ]
+    assert read == pytest.approx(3.1)
+    # Ending on a lone timestamp: the last segment is whole and the window read to its end.
+    found, read = segments.split([at(0), *hello, at(1.5), at(2.0), *there, at(3.1)], featurizer, 0.0, 4.2)
+    assert [(s["start"], s["end"]) for s in found] == [(0.0, 1.5), (2.0, 3.1)] and read == 4.2
+    # No pair: one segment, to its last timestamp, or to the window's end without one.
+    assert segments.split([at(0.4), *hello, at(2.4)], featurizer, 5.0, 7.0) == (
+        [{"start": 5.0, "end": 7.4, "text": " Hello there."}],
+        7.0,
+    )
+    assert segments.split([at(0), *hello], featurizer, 0.0, 6.5)[0][0]["end"] == 6.5
+    assert segments.split([at(0), at(0)], featurizer, 0.0, 6.5)[0] == []  # no text, no segment
+
+
+def reference() -> dict:
+    return json.loads((FIXTURES / "reference.json").read_text())
+
+
+def faster_whisper_features(samples, start: int, frames: int = 3000):
+    """The window of `frames` from `start` as faster-whisper reads it: one log-mel of the whole
+    recording (160 samples of silence after it), floored at 8 below its maximum, sliced, padded
+    with zeros (the suite pads a window's audio instead: tasks.speech.audio.whisper_log_mel)."""
+    log = audio._log10_mel(np.pad(samples, (0, audio.HOP)), 80)
+    features = ((np.maximum(log, log.max() - 8.0) + 4.0) / 4.0).T[: len(samples) // audio.HOP]
+    window = features[start : start + frames]
+    return np.pad(window, ((0, frames - len(window)), (0, 0))).astype(np.float16)
+
+
+def test_greedy_timestamp_decoding_matches_faster_whispers(transcriber):
+    """Each window faster-whisper decoded (CTranslate2, float32, greedy, the same checkpoint
+    files; tests/fixtures/whisper_timestamps/make_reference.py), read from the same features,
+    decodes to the same tokens, timestamps included, with the same mean log-probability and
+    no-speech probability (unless the two part at a near tie: faster-whisper's own top two
+    within 0.02 nats), and gives the same segments and the same start of the next window."""
+    featurizer = transcriber.featurizer
+    start = featurizer.decoding(timestamps=True)
+    rules = Timestamps(featurizer.vocabulary.timestamp_begin, featurizer.vocabulary.end)
+    compared = 0
+    for name, transcript in reference()["transcripts"].items():
+        samples = audio.load_audio(FIXTURES / f"{name}.flac")
+        for window in transcript["windows"]:
+            frames = faster_whisper_features(samples, window["seek"])
+            decoded = segments.decode_windows(transcriber.model, featurizer, [frames], start, 1, 1, False, rules)[0]
+            theirs = window["tokens"]
+            parted = next((i for i, (a, b) in enumerate(zip(decoded.tokens, theirs)) if a != b), None)
+            if parted is not None:
+                assert window["steps"][parted]["margin"] < 0.02, (name, parted, decoded.tokens, theirs)
+                compared += parted
+                continue
+            assert decoded.tokens == theirs
+            assert decoded.log_prob == pytest.approx(window["avg_logprob"], abs=1e-3)
+            assert decoded.no_speech == pytest.approx(window["no_speech_prob"], abs=1e-3)
+            compared += len(theirs)
+            found, read = segments.split(decoded.tokens, featurizer, window["time_offset"], window["segment_duration"])
+            # Ours end within the window's audio: faster-whisper's last may overshoot the recording.
+            ends = window["time_offset"] + window["segment_duration"]
+            expected = [s for s in window["timestamp_segments"] if s["text"].strip()]
+            assert [(s["start"], s["end"], s["text"]) for s in found] == [
+                (pytest.approx(s["start"]), pytest.approx(min(s["end"], ends)), s["text"]) for s in expected
+            ]
+            assert round(read * 100) == window["seek_after_timestamps"] - window["seek"]
+    assert compared > 100
+
+
+def test_long_audio_gives_segments_in_order_covering_it(transcriber):
+    """A 41 s file of ten sentences between silences of known lengths: segments in order, none
+    overlapping, within the file, each holding its sentence; the same first sentences when the
+    windows are cut first and decoded at once (`batched`)."""
+    clips = json.loads((FIXTURES / "clips.json").read_text())
+    samples = audio.load_audio(FIXTURES / "long.flac")
+    [row] = transcriber.segments([FIXTURES / "long.flac"], beam_width=1)
+    found = row["segments"]
+    assert row["language"] == "en" and row["text"] == " ".join(s["text"] for s in found)
+    assert transcriber.predict([str(FIXTURES / "long.flac")], beam_width=1)[0]["segments"] == found
+    starts, ends = [s["start"] for s in found], [s["end"] for s in found]
+    assert starts == sorted(starts) and all(e > s for s, e in zip(starts, ends))
+    assert all(b >= a for a, b in zip(ends, starts[1:])) and ends[-1] <= len(samples) / audio.SAMPLE_RATE + 0.02
+    # Each segment holds its sentence's speech and no other's, within 0.3 s: Whisper's timestamps
+    # without word alignment run a segment from the previous one's end, over the silence between.
+    spoken = [(sentence["first_loud"], sentence["last_loud"]) for sentence in clips["long"]["sentences"]]
+    assert len(found) == len(spoken)
+    for segment, (first, last), before in zip(found, spoken, [(0.0, 0.0), *spoken]):
+        assert segment["start"] - 0.3 <= first and last <= segment["end"] + 0.3, (segment, first, last)
+        assert segment["start"] >= before[1] - 0.3, (segment, before)
+    batched = transcriber.segments([samples], beam_width=1, batched=True)[0]["segments"]
+    assert [s["text"] for s in batched][:3] == [s["text"] for s in found][:3]
+
+
+def test_subtitles_parse_as_srt_and_webvtt():
+    import srt
+    import webvtt
+
+    row = {
+        "file": "a.wav",
+        "segments": [
+            {"start": 0.0, "end": 1.5, "text": "Hello there."},
+            {"start": 61.02, "end": 3725.5, "text": "A long\n\nsecond cue."},
+        ],
+    }
+    cues = list(srt.parse(subtitles.srt(row)))
+    assert [(c.index, c.start.total_seconds(), c.end.total_seconds(), c.content) for c in cues] == [
+        (1, 0.0, 1.5, "Hello there."),
+        (2, 61.02, 3725.5, "A long second cue."),
+    ]
+    assert "00:01:01,020 --> 01:02:05,500" in subtitles.srt(row)
+    parsed = webvtt.from_buffer(io.StringIO(subtitles.vtt(row)))
+    assert [(c.start, c.end, c.text) for c in parsed] == [
+        ("00:00:00.000", "00:00:01.500", "Hello there."),
+        ("00:01:01.020", "01:02:05.500", "A long second cue."),
+    ]
+
+
+def test_apps_predict_writes_subtitles_per_file(tmp_path):
+    short = str(FIXTURES / "short.flac")
+    result = apps("predict", "speech", "--model", installed("whisper-tiny.en"), short, "--format", "srt")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith("1\n00:00:00,000 --> 00:00:0") and "lazy dog" in result.stdout
+    out = tmp_path / "subs"
+    result = apps(
+        "predict", "speech", "--model", installed("whisper-tiny.en"), short, short, "--format", "vtt", "--output", out
+    )
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in out.iterdir()) == ["short-2.vtt", "short.vtt"]
+    assert (out / "short.vtt").read_text().startswith("WEBVTT\n\n00:00:00.000 --> ")
+    refused = apps("predict", "speech", "--model", installed("whisper-tiny.en"), short, "--format", "ass")
+    assert refused.exit_code == 1 and "srt, vtt" in refused.output
