@@ -293,7 +293,7 @@ def serve(
         Optional[list[Path]], typer.Option("--workdir", "-w", metavar="DIR", help="A trained run; repeatable.")
     ] = None,
     model: Annotated[
-        Optional[list[str]], typer.Option(metavar="NAME", help="A pretrained decoder (name or .gguf); repeatable.")
+        Optional[list[str]], typer.Option(metavar="NAME", help="A pretrained decoder or Whisper; repeatable.")
     ] = None,
     host: Annotated[str, typer.Option(metavar="HOST", help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(metavar="PORT", help="Port to listen on.")] = 8000,
@@ -316,9 +316,9 @@ def serve(
         bool, typer.Option("--allow-unauthenticated", help="Listen beyond loopback without a key.")
     ] = False,
 ) -> None:
-    """Serve trained runs and pretrained decoders over HTTP.
+    """Serve trained runs and pretrained decoders and Whisper over HTTP.
 
-    /v1/TASK/predict for every task; OpenAI's completions and chat for language models."""
+    /v1/TASK/predict for every task; OpenAI's completions and chat for language models, its audio for speech."""
     given = {name: value for name, value in locals().items() if name not in ("workdir", "model")}
     from core.serving import launch
 
@@ -327,7 +327,7 @@ def serve(
     terminal.show_task_log()
     import tasks
 
-    launch.serve(list(workdir or []), list(model or []), tasks.get, tasks.get("lm"), settings, terminal.console())
+    launch.serve(list(workdir or []), list(model or []), tasks.get, tasks.for_checkpoint, settings, terminal.console())
 
 
 @app.command()

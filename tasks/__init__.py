@@ -38,6 +38,28 @@ def get(name: str) -> type:
     return task_type
 
 
+# The task that runs a checkpoint family's models as they are (`apps serve --model`).
+AS_IS = {"decoder": "lm", "whisper": "speech"}
+
+
+def for_checkpoint(name_or_path: str) -> type:
+    """The task that serves a pretrained checkpoint as it is: a decoder's, lm; Whisper's, speech."""
+    from core.checkpoints import pretrained
+
+    served = [*pretrained.decoders(), *(name for name, item in pretrained.SHIPPED.items() if item.family == "whisper")]
+    if name_or_path.lower() not in served and not Path(name_or_path).exists():
+        raise UserError(
+            f"--model {name_or_path}: not a checkpoint this server runs. Shipped: {', '.join(served)}; or the path "
+            "of a decoder's Hugging Face folder or .gguf file, or of a Whisper CTranslate2 folder. (Serve a run of "
+            "another task with --workdir.)"
+        )
+    family = pretrained.families()[pretrained.read_checkpoint(name_or_path).reader]
+    kind = "decoder" if family.decodes else family.name
+    if kind not in AS_IS:
+        raise UserError(f"--model {name_or_path}: a {family.name} checkpoint, which no task serves as it is.")
+    return get(AS_IS[kind])
+
+
 def pipeline(
     name: str, workdir: str | Path | None = None, *, model: str | None = None, data: str | None = None, dtype="float32"
 ):

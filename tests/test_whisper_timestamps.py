@@ -163,3 +163,48 @@ def test_apps_predict_writes_subtitles_per_file(tmp_path):
     assert (out / "short.vtt").read_text().startswith("WEBVTT\n\n00:00:00.000 --> ")
     refused = apps("predict", "speech", "--model", installed("whisper-tiny.en"), short, "--format", "ass")
     assert refused.exit_code == 1 and "srt, vtt" in refused.output
+
+
+def test_the_audio_endpoints_answer_as_apps_predict_does(tmp_path, transcriber):
+    """`apps serve --model whisper-tiny.en` through the official client: the transcription of a
+    file is what `apps predict speech` gives for it, as text, JSON, verbose JSON with its
+    segments, and subtitles that parse; bad fields are named."""
+    import httpx2 as httpx
+    import srt
+    from test_server import auth, client, serving
+
+    short = FIXTURES / "short.flac"
+    [row] = transcriber.predict([str(short)])
+    with serving(tmp_path, "--model", installed("whisper-tiny.en")) as (_, url, _):
+        speech = client(url).audio
+        with short.open("rb") as file:
+            assert speech.transcriptions.create(model="whisper-tiny.en", file=file).text == row["transcript"]
+        with short.open("rb") as file:
+            verbose = speech.transcriptions.create(model="whisper-tiny.en", file=file, response_format="verbose_json")
+        assert [(s.start, s.end, s.text) for s in verbose.segments] == [
+            (s["start"], s["end"], s["text"]) for s in row["segments"]
+        ]
+        assert verbose.language == "en" and verbose.duration == pytest.approx(3.767, abs=1e-3)
+        with short.open("rb") as file:
+            subtitles_text = speech.transcriptions.create(model="whisper-tiny.en", file=file, response_format="srt")
+        [cue] = srt.parse(subtitles_text)
+        assert cue.content == row["transcript"] and cue.end.total_seconds() == row["segments"][0]["end"]
+        data = short.read_bytes()
+        for fields, param in [
+            ({"response_format": "xml"}, "response_format"),
+            ({"timestamp_granularities[]": "word"}, "timestamp_granularities[]"),
+            ({"prompt": "Fox."}, "prompt"),
+            ({"temperature": "hot"}, "temperature"),
+            ({"voice": "x"}, "voice"),
+        ]:
+            response = httpx.post(
+                f"{url}/v1/audio/transcriptions", files={"file": ("a.flac", data)}, data=fields, headers=auth()
+            )
+            assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+        for files, param in [({"file": ("a.flac", b"not audio")}, "file"), ({}, "file")]:
+            response = httpx.post(
+                f"{url}/v1/audio/transcriptions", files=files or None, data={"model": "whisper-tiny.en"}, headers=auth()
+            )
+            assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+        translated = httpx.post(f"{url}/v1/audio/translations", files={"file": ("a.flac", data)}, headers=auth())
+        assert translated.status_code == 400 and "English-only" in translated.json()["error"]["message"]

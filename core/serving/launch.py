@@ -60,13 +60,14 @@ def serve(
     workdirs: list[Path],
     models: list[str],
     task_of: Callable[[str], type],
-    lm: type,
+    task_for: Callable[[str], type],
     settings: Settings,
     console: Console,
 ) -> None:
     """Loads the trained runs `workdirs` (their task found by `task_of(name)`) and the pretrained
-    decoders `models` (as the language-model task `lm` runs them), compiles each generation
-    engine and says what it compiled, then serves them until the process is stopped."""
+    checkpoints `models` (each as the task `task_for` it runs it: a decoder as lm, Whisper as
+    speech), compiles each generation engine and says what it compiled, then serves them until
+    the process is stopped."""
     settings.check()
     import uvicorn
 
@@ -78,7 +79,7 @@ def serve(
         workdirs,
         models,
         task_of,
-        lm,
+        task_for,
         slots=settings.max_batch,
         context=settings.context,
         queue=settings.queue,

@@ -111,7 +111,7 @@ def load(
     workdirs: list[Path],
     models: list[str],
     task_named: Callable[[str], type],
-    decoder_task: type,
+    task_for: Callable[[str], type],
     *,
     slots: int,
     context: int | None,
@@ -119,9 +119,10 @@ def load(
     dtype: str = "float32",
 ) -> list[Served]:
     """The served models: each run of `workdirs` (its task read from its config.json and found
-    by `task_named`, the registry's lookup) and each pretrained decoder of `models` (served by
-    `decoder_task`, which `completes`), loaded and, for a language model, given an engine whose
-    weights are in `dtype` (`core.model.precision.narrowed`)."""
+    by `task_named`, the registry's lookup) and each pretrained checkpoint of `models` (served by
+    the task `task_for` it: a decoder by the language-model task, Whisper by speech), loaded and,
+    for a language model, given an engine whose weights are in `dtype`
+    (`core.model.precision.narrowed`)."""
     from core import run
     from core.training.checkpoints import read_json
 
@@ -134,22 +135,9 @@ def load(
         predictor = run.Predictor(task_named(name), workdir)
         served.append(Served(served_name(workdir=workdir), predictor, _engine(predictor, slots, context, queue, dtype)))
     for model in models:
-        _check_decoder(model)
-        predictor = run.Predictor(decoder_task, model=model)
+        predictor = run.Predictor(task_for(model), model=model)
         served.append(Served(served_name(model=model), predictor, _engine(predictor, slots, context, queue, dtype)))
     return served
-
-
-def _check_decoder(model: str) -> None:
-    """`model` names a decoder, a shipped one or a file or folder (whose family says)."""
-    from core.checkpoints import pretrained
-
-    decoders = pretrained.decoders()
-    if model.lower() not in decoders and not Path(model).exists():
-        raise UserError(
-            f"--model {model}: not a decoder this server runs. Shipped decoders: {', '.join(decoders)}; or the path "
-            "of a decoder's Hugging Face folder or .gguf file. (Serve a run of another task with --workdir.)"
-        )
 
 
 def served_name(*, model: str | None = None, workdir: str | Path | None = None) -> str:

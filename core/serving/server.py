@@ -45,7 +45,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from core.errors import UserError
 from core.options import PredictOptionError, RequestLimits, predict_option_values
-from core.serving import embeddings, tools
+from core.serving import audio, embeddings, tools
 from core.serving.api import ApiError, ChatBody, CompletionBody, EmbeddingsBody, PredictBody, within
 from core.serving.batcher import Batcher
 from core.serving.completions import Completions
@@ -56,7 +56,16 @@ from core.task import CompletingFeaturizer
 
 log = logging.getLogger("apps")
 
-ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/embeddings")
+ENDPOINTS = (
+    "/health",
+    "/metrics",
+    "/v1/models",
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/embeddings",
+    "/v1/audio/transcriptions",
+    "/v1/audio/translations",
+)
 # The metrics' label of a path with a name in it: a label per route, not per path, so that a
 # client's stray URLs do not grow the metrics.
 ROUTES = (
@@ -158,6 +167,7 @@ class Server:
         self._endpoints()
         self._completion_endpoints()
         self._embeddings_endpoint()
+        self._audio_endpoints()
 
     def _guards(self) -> None:
         """The key and size checks and the metrics of every request, and errors as OpenAI's."""
@@ -271,6 +281,22 @@ class Server:
         @self.app.post("/v1/embeddings")
         async def embed(body: EmbeddingsBody):
             return await embeddings.answer(self.model(body.model, embeds=True), body, self.limits, self.timeout)
+
+    def _audio_endpoints(self) -> None:
+        """OpenAI's transcriptions and translations, for the speech task's runs and Whisper."""
+
+        async def answer(client: Request, translate: bool):
+            fields = await audio.read_form(client)
+            served = self.model(fields.get("model"), task="speech")
+            return await audio.answer(served, fields, translate, self.limits, self.timeout)
+
+        @self.app.post("/v1/audio/transcriptions")
+        async def transcriptions(client: Request):
+            return await answer(client, translate=False)
+
+        @self.app.post("/v1/audio/translations")
+        async def translations(client: Request):
+            return await answer(client, translate=True)
 
     def _check_inputs(self, inputs: list[str]) -> None:
         if len(inputs) > self.limits.inputs:

@@ -73,6 +73,7 @@ def transcribe(
     batch_size: int,
     fallback: bool = True,
     batched: bool = False,
+    temperature: float = 0.0,
 ) -> list[list[Segment]]:
     """Each example's segments, its windows read one after another from the last complete
     segment's end, or, `batched`, cut first and decoded at once (see the module's text)."""
@@ -85,7 +86,9 @@ def transcribe(
     def decoded(windows: list[tuple[int, int, int]]):  # (example, first frame, frames)
         hop = audio.HOP
         frames = [featurizer.frames(clips[i][first * hop : (first + size) * hop]) for i, first, size in windows]
-        results = decode_windows(model, featurizer, frames, start, beam_width, batch_size, fallback, timestamps)
+        results = decode_windows(
+            model, featurizer, frames, start, beam_width, batch_size, fallback, timestamps, temperature
+        )
         for (i, first, size), result in zip(windows, results):
             if result.no_speech > NO_SPEECH_THRESHOLD:
                 yield i, size

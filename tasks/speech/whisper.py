@@ -184,6 +184,7 @@ def transcribe(
     beam_width: int,
     batch_size: int,
     fallback: bool = True,
+    temperature: float = 0.0,
 ):
     """Each example's transcript after the prompt `start` (`Vocabulary.decoding`: language and
     task), its windows (`cut_windows`) decoded as one batch (`decode_windows`), and, per
@@ -193,7 +194,8 @@ def transcribe(
         samples = clip(example, silence_allowed=True)  # Whisper says itself that a window holds no speech
         windows = cut_windows(samples, featurizer.window_samples)
         pieces += [(index, featurizer.frames(samples[window])) for window in windows]
-    decoded = decode_windows(model, featurizer, [f for _, f in pieces], start, beam_width, batch_size, fallback)
+    frames = [f for _, f in pieces]
+    decoded = decode_windows(model, featurizer, frames, start, beam_width, batch_size, fallback, None, temperature)
     texts: list[list[str]] = [[] for _ in examples]
     no_speech: list[list[float]] = [[] for _ in examples]
     for (index, _), window in zip(pieces, decoded):
@@ -212,25 +214,30 @@ def decode_windows(
     batch_size: int,
     fallback: bool = True,
     timestamps: Timestamps | None = None,
+    temperature: float = 0.0,
 ) -> list[Decoded]:
     """Each window's decoding after the prompt `start`, greedy with `beam_width` 1, else beam
-    search as Whisper's (the first W ended beams, by log-probability over length), with
-    Whisper's timestamp rules where `timestamps` are given.
+    search as Whisper's (the first W ended beams, by log-probability over length), or sampled
+    at `temperature` above 0, with Whisper's timestamp rules where `timestamps` are given.
 
     With `fallback`, as Whisper's transcribe(): a window whose text repeats itself (its gzip
     compression ratio above 2.4: greedy decoding caught in a loop) or whose tokens the model
     doubts (mean log-probability below -1) is decoded again by sampling at rising temperatures,
     0.2 to 1.0, the likeliest of 5 samples each, until one passes (or the last is kept). A
     window that holds no speech is not decoded again: it gives no text."""
-    decoded = _decode(model, featurizer, frames, start, batch_size, beam_width=beam_width, timestamps=timestamps)
+    width = beam_width if temperature == 0 else 1
+    decoded = _decode(
+        model, featurizer, frames, start, batch_size, beam_width=width, temperature=temperature, timestamps=timestamps
+    )
     retry = [i for i, window in enumerate(decoded) if window.no_speech <= NO_SPEECH_THRESHOLD] if fallback else []
-    for step, temperature in enumerate(FALLBACK_TEMPERATURES):
+    hotter = [t for t in FALLBACK_TEMPERATURES if t > temperature]
+    for step, warmer in enumerate(hotter):
         retry = [i for i in retry if doubtful(decoded[i].text, decoded[i].log_prob)]
         if not retry:
             break
         again = [frames[i] for i in retry for _ in range(BEST_OF)]
         samples = _decode(
-            model, featurizer, again, start, batch_size, temperature=temperature, seed=step, timestamps=timestamps
+            model, featurizer, again, start, batch_size, temperature=warmer, seed=step, timestamps=timestamps
         )
         for n, i in enumerate(retry):
             best = max(samples[n * BEST_OF : (n + 1) * BEST_OF], key=lambda sample: sample.log_prob)
@@ -332,7 +339,7 @@ class WhisperRoute:
         segments too (`tasks.speech.segments`), else window by window (`transcribe`)."""
         from tasks.speech import segments
 
-        timed = options.get("timestamps", False)
+        timed, temperature = options.get("timestamps", False), options.get("temperature", 0.0)
         prompt = featurizer.decoding(options["language"], options["task"], timed)
         batch_size, fallback, width = (
             self.task.config.train.eval_batch_size,
@@ -340,9 +347,11 @@ class WhisperRoute:
             options["beam_width"],
         )
         if not timed:
-            return {"text": transcribe(model, featurizer, examples, prompt, width, batch_size, fallback)[0]}
+            found = transcribe(model, featurizer, examples, prompt, width, batch_size, fallback, temperature)
+            return {"text": found[0]}
+        batched = options.get("batched", False)
         found = segments.transcribe(
-            model, featurizer, examples, prompt, width, batch_size, fallback, options.get("batched", False)
+            model, featurizer, examples, prompt, width, batch_size, fallback, batched, temperature
         )
         return {
             "text": ["".join(s["text"] for s in timed).strip() for timed in found],
