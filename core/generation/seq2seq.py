@@ -111,6 +111,19 @@ def _source_sample_program(graphdef, sampling, start, on_tokens, params, inputs,
     return *sample(step, state, logits, key, sampling, on_tokens, ticket), probe
 
 
+def first_logits(model: EncoderDecoder, sources: Sequence[Any], *, start: Start) -> np.ndarray:
+    """The logits [B, V] of the first token after `start`'s prompt for each source (with its
+    suppressions): what the model expects next, as Whisper's language detection reads it."""
+    inputs, mask = prepare_sources(model, sources, 1, None, len(start.prompt))
+    graphdef, params = nnx.split(model)
+    return np.asarray(_first_logits_program(graphdef, start, params, inputs, mask))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), compiler_options=COMPILER_OPTIONS)
+def _first_logits_program(graphdef, start, params, inputs, mask):
+    return encode_prefill(nnx.merge(graphdef, params), inputs, mask, start, 1)[0]
+
+
 def generate_beams_from_source(
     model: EncoderDecoder, sources: Sequence[Any], *, start: Start, width: int | None = None, **beam
 ) -> Beams:

@@ -70,7 +70,7 @@ def options(fields: dict[str, Any], translate: bool) -> dict[str, Any]:
     if not 0 <= temperature <= 1:
         raise ApiError(400, "temperature: a number from 0 to 1.", "temperature")
     return {
-        "language": fields.get("language", ""),
+        "language": fields.get("language") or "auto",
         "task": "translate" if translate else "",
         "timestamps": True,
         "temperature": temperature,

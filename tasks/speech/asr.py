@@ -72,7 +72,8 @@ class SpeechData(DataConfig):
     # --data manifests: the columns of the audio path and of the transcript.
     audio_column: str = "audio"
     text_column: str = "text"
-    # Whisper (tasks/speech/whisper.py): the language of the speech and the task of the prompt
+    # Whisper (tasks/speech/whisper.py): the language of the speech (what fine-tuning teaches
+    # and evaluation reads; prediction detects it unless told), the task of the prompt
     # (transcribe, or translate into English; a multilingual checkpoint's), and the checkpoint
     # whose tokenizer a Whisper-shaped model built from scratch writes with.
     language: str = "en"
@@ -172,9 +173,7 @@ class SpeechTask(Task):
         PredictOption(
             "beam_width", int, 8, "beam search with this many beams (1: greedy); CTC prefix search, or Whisper's"
         ),
-        PredictOption(
-            "language", str, "", "Whisper: the language spoken, as a code (de, fr, ...; default data.language)"
-        ),
+        PredictOption("language", str, "auto", "Whisper: the language spoken, a code (de, fr, ...), or auto: detected"),
         PredictOption("task", str, "", "Whisper: transcribe, or translate into English (default data.whisper_task)"),
         PredictOption(
             "timestamps", bool, True, "Whisper: each file's segments with their times, from its timestamp tokens"
@@ -336,7 +335,8 @@ class SpeechTask(Task):
         """A row per file: its transcript and, from Whisper with timestamps, its language and
         segments ({"start", "end", "text"}, seconds into the file)."""
         timed = [
-            {k: predictions[k][i] for k in ("language", "segments") if k in predictions} for i in range(len(examples))
+            {k: predictions[k][i] for k in ("language", "language_probability", "segments") if k in predictions}
+            for i in range(len(examples))
         ]
         return [
             {"file": e["path"], "transcript": text, **more}
@@ -384,7 +384,10 @@ class Transcriber(Predictor):
         found = self.task.generate(self.model, self.featurizer, _examples(clips), options)
         if "segments" not in found:
             raise UserError("Segments with times come from Whisper; a CTC model gives text alone (transcribe).")
-        return [{k: found[k][i] for k in ("text", "language", "segments")} for i in range(len(clips))]
+        return [
+            {k: found[k][i] for k in ("text", "language", "language_probability", "segments")}
+            for i in range(len(clips))
+        ]
 
 
 def _examples(clips: Sequence[str | Path | np.ndarray]) -> list[dict]:

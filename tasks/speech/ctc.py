@@ -96,7 +96,7 @@ class CTCRoute:
         """Greedy (`beam_width` 1) or CTC prefix beam search over the model's log-probabilities.
         Clips go in batches of similar lengths, padded to a `core.training.data.bucket_width` of
         frames (few compiled shapes)."""
-        if options["language"] or options["task"]:
+        if options["language"] not in ("", "auto") or options["task"]:
             raise UserError("--language and --task choose Whisper's prompt; a CTC model reads one language only.")
         width, arrays = options["beam_width"], featurizer(examples)
         graphdef, state = nnx.split(model)

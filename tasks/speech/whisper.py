@@ -298,10 +298,16 @@ class WhisperRoute:
     # cost a looping early checkpoint five samples per window and temperature); evaluation
     # generates greedy and beam transcripts. Both read text alone, as fine-tuning teaches it
     # (the no-timestamps prompt); `apps predict` gives segments with times.
-    validation_decoding: ClassVar[dict[str, Any] | None] = {"beam_width": 1, "fallback": False, "timestamps": False}
+    # Both read the data's language (data.language), not a detected one.
+    validation_decoding: ClassVar[dict[str, Any] | None] = {
+        "beam_width": 1,
+        "fallback": False,
+        "timestamps": False,
+        "language": "",
+    }
     evaluated_decodings: ClassVar[dict[str, dict[str, Any]]] = {
-        "greedy": {"beam_width": 1, "timestamps": False},
-        "beam": {"beam_width": 5, "timestamps": False},
+        "greedy": {"beam_width": 1, "timestamps": False, "language": ""},
+        "beam": {"beam_width": 5, "timestamps": False, "language": ""},
     }
 
     def __init__(self, task: SpeechTask):
@@ -335,12 +341,35 @@ class WhisperRoute:
         return {}
 
     def transcribe(self, model, featurizer: WhisperFeaturizer, examples, options: dict) -> dict[str, list]:
-        """Each clip's transcript in the prompt's language and task: with `timestamps`, its
-        segments too (`tasks.speech.segments`), else window by window (`transcribe`)."""
+        """Each clip's transcript in the prompt's language (given, or `auto`: detected per clip,
+        `tasks.speech.language`) and task: with `timestamps`, its language, the probability of
+        a detected one, and its segments too (`tasks.speech.segments`)."""
+        from tasks.speech import language
+
+        asked = options["language"] or featurizer.language or "en"
+        batch_size = self.task.config.train.eval_batch_size
+        if asked == language.AUTO:
+            found = language.detect(model, featurizer, examples, batch_size)
+        else:
+            found = [(asked, None)] * len(examples)
+        results: dict[str, list] = {}
+        for code, indices in language.by_language([code for code, _ in found]).items():
+            group = self._decoded(model, featurizer, [examples[i] for i in indices], code, options)
+            for key, values in group.items():
+                results.setdefault(key, [None] * len(examples))
+                for index, value in zip(indices, values):
+                    results[key][index] = value
+        if "segments" in results:
+            results["language"] = [code for code, _ in found]
+            results["language_probability"] = [probability for _, probability in found]
+        return results
+
+    def _decoded(self, model, featurizer: WhisperFeaturizer, examples, language: str, options: dict):
+        """The clips' transcripts in one `language`, with their segments where timestamps are on."""
         from tasks.speech import segments
 
         timed, temperature = options.get("timestamps", False), options.get("temperature", 0.0)
-        prompt = featurizer.decoding(options["language"], options["task"], timed)
+        prompt = featurizer.decoding(language, options["task"], timed)
         batch_size, fallback, width = (
             self.task.config.train.eval_batch_size,
             options.get("fallback", True),
@@ -355,6 +384,5 @@ class WhisperRoute:
         )
         return {
             "text": ["".join(s["text"] for s in timed).strip() for timed in found],
-            "language": [options["language"] or featurizer.language or "en"] * len(examples),
             "segments": [[{**s, "text": s["text"].strip()} for s in timed] for timed in found],
         }
