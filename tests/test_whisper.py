@@ -19,6 +19,7 @@ from core.errors import UserError
 from core.generation.seq2seq import encode_prefill, generate_beams_from_source, generate_from_source
 from core.model.encoder_decoder import Start
 from tasks.speech import whisper as speech_whisper
+from tasks.speech import windows as speech_windows
 from tasks.speech.audio import load_audio, whisper_log_mel
 
 FIXTURES = Path(__file__).parent / "fixtures" / "whisper"
@@ -157,14 +158,14 @@ def test_long_audio_is_cut_at_quiet_moments_covering_every_sample_once():
     rng = np.random.default_rng(0)
     samples = (0.3 * rng.standard_normal(70 * rate)).astype(np.float32)
     samples[int(27.5 * rate) : int(27.8 * rate)] = 0.0  # a pause in the first window's last 5 s
-    windows = speech_whisper.cut_windows(samples)
+    windows = speech_windows.cut_windows(samples)
     assert windows[0].start == 0 and windows[-1].stop == len(samples)
     assert all(a.stop == b.start for a, b in zip(windows, windows[1:]))  # contiguous: each sample once
     assert all(0 < w.stop - w.start <= 30 * rate for w in windows)
     assert int(27.5 * rate) <= windows[0].stop <= int(27.8 * rate) - rate // 10  # inside the pause
-    assert speech_whisper.cut_windows(samples[: 5 * rate]) == [slice(0, 5 * rate)]
+    assert speech_windows.cut_windows(samples[: 5 * rate]) == [slice(0, 5 * rate)]
     # A 6 s window looks for its cut in its last 3 s.
-    short = speech_whisper.cut_windows(samples[: 20 * rate], 6 * rate)
+    short = speech_windows.cut_windows(samples[: 20 * rate], 6 * rate)
     assert short[0].start == 0 and short[-1].stop == 20 * rate
     assert all(a.stop == b.start for a, b in zip(short, short[1:]))
     assert all(3 * rate <= w.stop - w.start <= 6 * rate for w in short[:-1])
@@ -172,10 +173,10 @@ def test_long_audio_is_cut_at_quiet_moments_covering_every_sample_once():
 
 def test_a_window_that_loops_or_is_doubted_is_decoded_again_at_rising_temperatures(monkeypatch):
     # Whisper's tests: gzip ratio above 2.4 (12 repeated words: 3.13) or mean log-prob below -1.
-    assert speech_whisper.doubtful("the " * 11 + "the", -0.1)
-    assert not speech_whisper.doubtful("please call me back at five thirty", -0.5)
-    assert speech_whisper.doubtful("please call me back at five thirty", -1.2)
-    assert not speech_whisper.doubtful("", -0.2)
+    assert speech_windows.doubtful("the " * 11 + "the", -0.1)
+    assert not speech_windows.doubtful("please call me back at five thirty", -0.5)
+    assert speech_windows.doubtful("please call me back at five thirty", -1.2)
+    assert not speech_windows.doubtful("", -0.2)
     # Three windows: one loops at temperature 0, one is sure, one holds no speech (and loops:
     # it gives no text all the same, and is not decoded again).
     from tasks.speech.asr import whisper_tiny
@@ -194,16 +195,16 @@ def test_a_window_that_loops_or_is_doubted_is_decoded_again_at_rising_temperatur
             found = [("five five five five five five five five five five five five", -0.3, 0.01)] * 5
         else:
             found = [("five fine", -1.5, 0.01), ("five nine", -0.4, 0.01)] + [("nine", -0.9, 0.01)] * 3
-        return [speech_whisper.Decoded([], *window) for window in found]
+        return [speech_windows.Decoded([], *window) for window in found]
 
-    monkeypatch.setattr(speech_whisper, "_decode", decode)
+    monkeypatch.setattr(speech_windows, "_decode", decode)
     clips = [{"id": None, "audio": np.zeros(1600, np.float32), "where": f"clip {i}", "text": ""} for i in range(3)]
     start = featurizer.decoding()
-    texts, no_speech = speech_whisper.transcribe(None, featurizer, clips, start, beam_width=1, batch_size=8)
+    texts, no_speech = speech_windows.transcribe(None, featurizer, clips, start, beam_width=1, batch_size=8)
     assert texts == ["five nine", "call me back", ""] and no_speech == [[0.01], [0.01], [0.9]]
     assert calls == [(3, 0.0), (5, 0.2), (5, 0.4)]
     calls.clear()
-    assert speech_whisper.transcribe(None, featurizer, clips, start, 1, 8, fallback=False)[0][0] == loop
+    assert speech_windows.transcribe(None, featurizer, clips, start, 1, 8, fallback=False)[0][0] == loop
     assert calls == [(3, 0.0)]
 
 

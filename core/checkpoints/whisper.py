@@ -238,6 +238,18 @@ def mel_bins(name_or_path: str) -> int:
     return int(read(read_checkpoint(name_or_path).directory).variables["encoder/conv1/weight"].shape[1])
 
 
+def alignment_heads(name_or_path: str) -> tuple[tuple[int, int], ...]:
+    """The (decoder layer, head) pairs whose cross-attention follows the speech (word timestamps):
+    those of the checkpoint's config.json, as CTranslate2 writes them from OpenAI's table; else
+    every head of the upper half of the layers, OpenAI's own default."""
+    checkpoint = read_checkpoint(name_or_path)
+    config = json.loads((checkpoint.directory / "config.json").read_text())
+    if config.get("alignment_heads"):
+        return tuple((int(layer), int(head)) for layer, head in config["alignment_heads"])
+    layers, heads = checkpoint.model.decoder_layers, checkpoint.model.num_heads
+    return tuple((layer, head) for layer in range(layers // 2, layers) for head in range(heads))
+
+
 @dataclass(frozen=True)
 class Vocabulary:
     """The special tokens that Whisper's decoding is driven by, found by their text in the

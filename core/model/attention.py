@@ -223,10 +223,22 @@ def memory_attention(q, keys, values, mask):
     out as a decoding cache is (see `core.model.cache.KeyValues`), mask [B, S] true at real
     positions -> [B, T, N, H]. The decoding form of cross-attention: a grouped softmax that reads
     the keys and values as they lie, as `cached_attention` reads its cache."""
+    return memory_weighted(memory_probabilities(q, keys, mask), values)
+
+
+def memory_probabilities(q, keys, mask):
+    """The attention probabilities [B, K, G, T, S] of `memory_attention` (G query heads per key
+    head: query head n is (n // G, n % G)), float32."""
     B, T, N, H = q.shape
     K = keys.shape[1]
     grouped = q.reshape(B, T, K, N // K, H)
     scores = jnp.einsum("BTKGH,BKSH->BKGTS", grouped, keys, preferred_element_type=jnp.float32) * H**-0.5
     scores = jnp.where(mask[:, None, None, None, :], scores, MASKED)
-    probabilities = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
-    return jnp.einsum("BKGTS,BKHS->BTKGH", probabilities, values).reshape(B, T, N, H)
+    return jax.nn.softmax(scores, axis=-1)
+
+
+def memory_weighted(probabilities, values):
+    """`memory_probabilities` [B, K, G, T, S] over values [B, K, H, S] -> [B, T, N, H]."""
+    B, K, G, T, _ = probabilities.shape
+    y = jnp.einsum("BKGTS,BKHS->BTKGH", probabilities.astype(values.dtype), values)
+    return y.reshape(B, T, K * G, -1)

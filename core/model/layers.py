@@ -16,7 +16,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from core.config import ModelConfig
-from core.model.attention import attention, cached_attention, memory_attention
+from core.model.attention import (
+    attention,
+    cached_attention,
+    memory_attention,
+    memory_probabilities,
+    memory_weighted,
+)
 from core.model.cache import KeyValues, write
 from core.model.precision import matmul
 
@@ -163,6 +169,9 @@ class CrossAttention(nnx.Module):
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.config = config
+        # Set on a copy of the model (`core.generation.alignment`): decoding over the memory's
+        # keys and values then keeps its attention probabilities as an `nnx.Intermediate`.
+        self.record = False
         self.query = Dense(config.d_model, config.num_heads * config.head_dim, bias=config.bias, rngs=rngs)
         self.key_value = Dense(
             config.d_model, 2 * config.key_value_heads * config.head_dim, bias=config.bias, rngs=rngs
@@ -186,7 +195,11 @@ class CrossAttention(nnx.Module):
         c = self.config
         B, T, _ = x.shape
         q = self.query(x).reshape(B, T, c.num_heads, -1)
-        if isinstance(memory, KeyValues):
+        if isinstance(memory, KeyValues) and self.record:
+            probabilities = memory_probabilities(q, memory.keys, memory_mask)
+            self.sow(nnx.Intermediate, "probabilities", probabilities)
+            y = memory_weighted(probabilities, memory.values)
+        elif isinstance(memory, KeyValues):
             y = memory_attention(q, memory.keys, memory.values, memory_mask)
         else:
             k, v = self.project(memory)

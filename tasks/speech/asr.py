@@ -179,6 +179,7 @@ class SpeechTask(Task):
             "timestamps", bool, True, "Whisper: each file's segments with their times, from its timestamp tokens"
         ),
         PredictOption("temperature", float, 0.0, "Whisper: the first decoding samples at it (0: greedy or beam)"),
+        PredictOption("word_timestamps", bool, False, "Whisper: each segment's words, their times and probabilities"),
         PredictOption(
             "batched",
             bool,

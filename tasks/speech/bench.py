@@ -25,7 +25,7 @@ from core.model.precision import narrowed
 from tasks.speech import corpus
 from tasks.speech.audio import SAMPLE_RATE
 from tasks.speech.featurizer import clip
-from tasks.speech.whisper import transcribe
+from tasks.speech.windows import transcribe
 
 CLIPS = 8
 JOINED = 6  # utterances in a long clip

@@ -12,8 +12,8 @@ one batch. `batched` instead cuts the audio into windows at quiet moments first
 `BatchedInferencePipeline` does with its voice-activity chunks: faster on long audio, with
 segments that cannot cross a cut.
 
-A window whose no-speech probability passes the threshold gives no segment; the temperature
-fallback runs per window, as without timestamps (`tasks.speech.whisper.decode_windows`).
+A window that holds no speech (`tasks.speech.whisper.silent`) gives no segment; the
+temperature fallback runs per window, as without timestamps (`tasks.speech.whisper.decode_windows`).
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ from typing import TYPE_CHECKING, Any
 from core.generation.timestamps import PRECISION, Timestamps
 from core.model.encoder_decoder import Start
 from tasks.speech import audio
+from tasks.speech import words as word_times
 from tasks.speech.featurizer import clip
-from tasks.speech.whisper import NO_SPEECH_THRESHOLD, cut_windows, decode_windows
+from tasks.speech.windows import cut_windows, decode_windows, silent
 
 if TYPE_CHECKING:
     from tasks.speech.whisper import WhisperFeaturizer
@@ -42,14 +43,14 @@ def split(tokens: Sequence[int], featurizer: WhisperFeaturizer, offset: float, d
     segment is incomplete: up to the last complete one's end). Segments without text are left out."""
     begin = featurizer.vocabulary.timestamp_begin
     timed = [token >= begin for token in tokens]
-    ends_alone = timed[-2:] == [False, True]
+    alone = ends_alone(tokens, begin)
     cuts = [i for i in range(1, len(tokens)) if timed[i - 1] and timed[i]]
     pieces, read = [], duration
     if cuts:
-        bounds = [0, *cuts, *([len(tokens)] if ends_alone else [])]
+        bounds = [0, *cuts, *([len(tokens)] if alone else [])]
         pieces = [tokens[a:b] for a, b in zip(bounds, bounds[1:])]
         times = [((piece[0] - begin) * PRECISION, (piece[-1] - begin) * PRECISION) for piece in pieces]
-        if not ends_alone:
+        if not alone:
             read = (tokens[bounds[-1] - 1] - begin) * PRECISION
     else:  # one segment: from the window's start to its last timestamp (the window's end if none)
         last = max((t for t in tokens if t >= begin), default=begin)
@@ -58,10 +59,18 @@ def split(tokens: Sequence[int], featurizer: WhisperFeaturizer, offset: float, d
     for piece, (start, end) in zip(pieces, times):
         end = min(end, duration)  # a last timestamp past the audio, in a window padded after the recording's end
         # As Whisper writes it, its leading space kept: the segments' texts joined are the transcript.
-        text = featurizer.tokenizer.decode([t for t in piece if t < featurizer.vocabulary.end])
+        words = [t for t in piece if t < featurizer.vocabulary.end]
+        text = featurizer.tokenizer.decode(words)
         if text.strip():
-            segments.append({"start": round(offset + start, 3), "end": round(offset + end, 3), "text": text})
+            segments.append(
+                {"start": round(offset + start, 3), "end": round(offset + end, 3), "text": text, "tokens": words}
+            )
     return segments, read
+
+
+def ends_alone(tokens: Sequence[int], begin: int) -> bool:
+    """Whether a window's tokens end on a lone timestamp: its last segment closed, none begun."""
+    return len(tokens) >= 2 and tokens[-2] < begin <= tokens[-1]
 
 
 def transcribe(
@@ -74,14 +83,18 @@ def transcribe(
     fallback: bool = True,
     batched: bool = False,
     temperature: float = 0.0,
+    words: bool = False,
 ) -> list[list[Segment]]:
     """Each example's segments, its windows read one after another from the last complete
-    segment's end, or, `batched`, cut first and decoded at once (see the module's text)."""
+    segment's end, or, `batched`, cut first and decoded at once (see the module's text); with
+    `words`, each segment's words with their times (`tasks.speech.words`), and the next window
+    from the last word's end, as Whisper's transcribe() goes on with word timestamps."""
     timestamps = Timestamps(begin=featurizer.vocabulary.timestamp_begin, end=featurizer.vocabulary.end)
     clips = [clip(example, silence_allowed=True) for example in examples]
     lengths = [len(samples) // audio.HOP for samples in clips]  # in 10 ms frames
     width = featurizer.window_frames
     found: list[list[Segment]] = [[] for _ in clips]
+    last_speech = [0.0] * len(clips)  # each recording's, for the words' corrections
 
     def decoded(windows: list[tuple[int, int, int]]):  # (example, first frame, frames)
         hop = audio.HOP
@@ -89,13 +102,21 @@ def transcribe(
         results = decode_windows(
             model, featurizer, frames, start, beam_width, batch_size, fallback, timestamps, temperature
         )
-        for (i, first, size), result in zip(windows, results):
-            if result.no_speech > NO_SPEECH_THRESHOLD:
-                yield i, size
-                continue
-            segments, read = split(result.tokens, featurizer, first * FRAME, size * FRAME)
+        spoken = [
+            not silent(r, clips[i][first * hop : (first + size) * hop]) for r, (i, first, size) in zip(results, windows)
+        ]
+        split_up = [
+            split(r.tokens, featurizer, w[1] * FRAME, w[2] * FRAME) if s else ([], 0.0)
+            for r, w, s in zip(results, windows, spoken)
+        ]
+        if words:
+            _words(model, featurizer, frames, windows, [segments for segments, _ in split_up], last_speech)
+        for (i, first, size), result, (segments, read) in zip(windows, results, split_up):
             found[i] += segments
-            yield i, min(size, round(read / FRAME)) or size
+            if words and segments and not ends_alone(result.tokens, timestamps.begin):
+                ended = max((w["end"] for s in segments for w in s["words"]), default=0.0) - first * FRAME
+                read = ended if ended > 0 else read
+            yield i, (min(size, round(read / FRAME)) or size) if segments else size
 
     if batched:
         cuts = [(i, cut) for i, samples in enumerate(clips) for cut in cut_windows(samples, width * audio.HOP)]
@@ -108,3 +129,23 @@ def transcribe(
         for i, read in decoded([(i, seeks[i], min(width, lengths[i] - seeks[i])) for i in active]):
             seeks[i] += read
     return found
+
+
+def _words(model, featurizer, frames, windows, found: list[list[Segment]], last_speech: list[float]) -> None:
+    """Aligns the words of each window (`(recording, first frame, frames)`) that found segments
+    and deals them to those segments (`tasks.speech.words`)."""
+    aligned = [k for k, segments in enumerate(found) if segments]
+    texts = [[t for s in found[k] for t in s["tokens"]] for k in aligned]
+    timed = word_times.align(model, featurizer, [frames[k] for k in aligned], texts, [windows[k][2] for k in aligned])
+    for k, window_words in zip(aligned, timed):
+        i, first, _ = windows[k]
+        last_speech[i] = word_times.place(window_words, found[k], first * FRAME, last_speech[i])
+
+
+def shown(segment: Segment) -> Segment:
+    """A segment as a row holds it: its text without Whisper's leading space, its words (if
+    aligned) without theirs, no tokens."""
+    kept = {key: value for key, value in segment.items() if key != "tokens"} | {"text": segment["text"].strip()}
+    if "words" in kept:
+        kept["words"] = [{**w, "word": w["word"].strip()} for w in kept["words"]]
+    return kept

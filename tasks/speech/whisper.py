@@ -1,5 +1,5 @@
-"""Whisper in the speech task: its featurizer, windows over long audio, transcription, and the
-task's route (`WhisperRoute`: the model, loss and decoding of a Whisper run).
+"""Whisper in the speech task: its featurizer and the task's route (`WhisperRoute`: the model,
+loss and decoding of a Whisper run).
 
 The speech task takes this route when its model is an encoder-decoder (`model.decoder_layers`
 set: a Whisper checkpoint's `model.pretrained`, which the config adopts, or a model built from
@@ -7,26 +7,22 @@ scratch in Whisper's shape). The encoder reads `tasks.speech.audio.whisper_log_m
 window (the clip padded with silence) of `data.max_seconds`, at most 30 s: Whisper was trained
 on 30 s windows, and reads them best zero-shot; a shorter window costs less in proportion (its
 attention, with the square), which fine-tuning on short clips can afford to learn. The decoder
-reads the prompt
-(`core.checkpoints.whisper.Vocabulary.prompt`: start, language, task, no-timestamps) and then the
-transcript's tokens, each predicted from those before; the loss counts the transcript's tokens
-and its end.
+reads the prompt (`core.checkpoints.whisper.Vocabulary.prompt`: start, language, task,
+no-timestamps) and then the transcript's tokens, each predicted from those before; the loss
+counts the transcript's tokens and its end.
 
-Audio longer than one window is cut into windows, each cut placed at the quietest 100 ms of
-the window's last 5 s (or last half, if shorter; so that a word is rarely split), covering every
-sample once; the windows' transcripts are joined with a space. A window whose no-speech
-probability (the `<|nospeech|>` token's, right after the start token) passes
-`NO_SPEECH_THRESHOLD` gives no text, as Whisper does. A window whose text loops or that the
-model doubts is decoded again at rising temperatures, as Whisper's transcribe() does (`transcribe`).
+Decoding: text alone window by window (`tasks.speech.windows`), or with timestamps, segments
+(`tasks.speech.segments`) and words (`tasks.speech.words`), in each recording's language
+(`tasks.speech.language`).
 """
 
 from __future__ import annotations
 
-import zlib
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 from flax import nnx
@@ -34,9 +30,6 @@ from flax import nnx
 from core.checkpoints import pretrained, whisper
 from core.config import Config
 from core.errors import UserError
-from core.generation.beam import gnmt_penalty
-from core.generation.seq2seq import generate_beams_from_source, generate_from_source
-from core.generation.timestamps import Timestamps
 from core.model.encoder_decoder import Start
 from core.model.heads import Projection
 from core.task import scored_positions
@@ -44,35 +37,10 @@ from core.training import losses
 from tasks.common.tokenizer import PretrainedTokenizer
 from tasks.speech import audio as audio_lib
 from tasks.speech.featurizer import clip, describe
+from tasks.speech.windows import transcribe
 
 if TYPE_CHECKING:
     from tasks.speech.asr import SpeechTask
-
-WINDOW_SAMPLES = audio_lib.WHISPER_FRAMES * audio_lib.HOP  # 30 s, as Whisper was trained
-SEARCH_SAMPLES = 5 * audio_lib.SAMPLE_RATE  # where a window's cut is looked for: its last 5 s
-QUIET_SAMPLES = audio_lib.SAMPLE_RATE // 10  # the stretch whose energy a cut minimizes: 100 ms
-NO_SPEECH_THRESHOLD = 0.6  # Whisper's own, as are the fallback's settings below
-FALLBACK_TEMPERATURES = (0.2, 0.4, 0.6, 0.8, 1.0)
-BEST_OF = 5
-COMPRESSION_RATIO_THRESHOLD = 2.4
-LOG_PROB_THRESHOLD = -1.0
-# Whisper's decoder holds 448 positions and its transcribe() writes at most half of them.
-MAX_NEW_TOKENS = 224
-
-
-def cut_windows(samples: np.ndarray, window: int = WINDOW_SAMPLES) -> list[slice]:
-    """Windows of at most `window` samples covering every sample once; each cut but the last
-    falls at the start of the quietest 100 ms within the window's last 5 s (or last half)."""
-    search = min(SEARCH_SAMPLES, window // 2)
-    cuts, start = [], 0
-    while len(samples) - start > window:
-        end = start + window
-        region = samples[end - search : end].astype(np.float64) ** 2
-        energy = np.convolve(region, np.ones(QUIET_SAMPLES), mode="valid")  # [search - QUIET + 1]
-        cut = end - search + int(np.argmin(energy))
-        cuts.append(slice(start, cut))
-        start = cut
-    return [*cuts, slice(start, len(samples))]
 
 
 @dataclass
@@ -111,6 +79,10 @@ class WhisperFeaturizer:
         where given, else the featurizer's own (English for an English-only model), with
         timestamp tokens or without."""
         return self.vocabulary.decoding(language or self.language or "en", task or self.task, timestamps)
+
+    @property
+    def alignment_heads(self) -> tuple[tuple[int, int], ...]:
+        return _alignment_heads(self.checkpoint)
 
     @property
     def window_frames(self) -> int:
@@ -166,129 +138,9 @@ class WhisperFeaturizer:
         return arrays
 
 
-class Decoded(NamedTuple):
-    """A window's decoding: its tokens up to the end token (timestamp tokens included), its
-    text, the mean log-probability per token (the end included), its no-speech probability."""
-
-    tokens: list[int]
-    text: str
-    log_prob: float
-    no_speech: float
-
-
-def transcribe(
-    model,
-    featurizer: WhisperFeaturizer,
-    examples: Sequence[dict],
-    start: Start,
-    beam_width: int,
-    batch_size: int,
-    fallback: bool = True,
-    temperature: float = 0.0,
-):
-    """Each example's transcript after the prompt `start` (`Vocabulary.decoding`: language and
-    task), its windows (`cut_windows`) decoded as one batch (`decode_windows`), and, per
-    example, the windows' no-speech probabilities."""
-    pieces = []  # (example index, frames)
-    for index, example in enumerate(examples):
-        samples = clip(example, silence_allowed=True)  # Whisper says itself that a window holds no speech
-        windows = cut_windows(samples, featurizer.window_samples)
-        pieces += [(index, featurizer.frames(samples[window])) for window in windows]
-    frames = [f for _, f in pieces]
-    decoded = decode_windows(model, featurizer, frames, start, beam_width, batch_size, fallback, None, temperature)
-    texts: list[list[str]] = [[] for _ in examples]
-    no_speech: list[list[float]] = [[] for _ in examples]
-    for (index, _), window in zip(pieces, decoded):
-        no_speech[index].append(window.no_speech)
-        if window.no_speech <= NO_SPEECH_THRESHOLD and window.text:
-            texts[index].append(window.text)
-    return [" ".join(parts) for parts in texts], no_speech
-
-
-def decode_windows(
-    model,
-    featurizer: WhisperFeaturizer,
-    frames: list[np.ndarray],
-    start: Start,
-    beam_width: int,
-    batch_size: int,
-    fallback: bool = True,
-    timestamps: Timestamps | None = None,
-    temperature: float = 0.0,
-) -> list[Decoded]:
-    """Each window's decoding after the prompt `start`, greedy with `beam_width` 1, else beam
-    search as Whisper's (the first W ended beams, by log-probability over length), or sampled
-    at `temperature` above 0, with Whisper's timestamp rules where `timestamps` are given.
-
-    With `fallback`, as Whisper's transcribe(): a window whose text repeats itself (its gzip
-    compression ratio above 2.4: greedy decoding caught in a loop) or whose tokens the model
-    doubts (mean log-probability below -1) is decoded again by sampling at rising temperatures,
-    0.2 to 1.0, the likeliest of 5 samples each, until one passes (or the last is kept). A
-    window that holds no speech is not decoded again: it gives no text."""
-    width = beam_width if temperature == 0 else 1
-    decoded = _decode(
-        model, featurizer, frames, start, batch_size, beam_width=width, temperature=temperature, timestamps=timestamps
-    )
-    retry = [i for i, window in enumerate(decoded) if window.no_speech <= NO_SPEECH_THRESHOLD] if fallback else []
-    hotter = [t for t in FALLBACK_TEMPERATURES if t > temperature]
-    for step, warmer in enumerate(hotter):
-        retry = [i for i in retry if doubtful(decoded[i].text, decoded[i].log_prob)]
-        if not retry:
-            break
-        again = [frames[i] for i in retry for _ in range(BEST_OF)]
-        samples = _decode(
-            model, featurizer, again, start, batch_size, temperature=warmer, seed=step, timestamps=timestamps
-        )
-        for n, i in enumerate(retry):
-            best = max(samples[n * BEST_OF : (n + 1) * BEST_OF], key=lambda sample: sample.log_prob)
-            decoded[i] = best._replace(no_speech=decoded[i].no_speech)
-    return decoded
-
-
-def doubtful(text: str, mean_log_prob: float) -> bool:
-    """Whisper's test for decoding a window again: a text that repeats itself (compresses by
-    more than 2.4 under gzip), or a mean log-probability per token below -1."""
-    data = text.encode()
-    return (bool(data) and len(data) / len(zlib.compress(data)) > COMPRESSION_RATIO_THRESHOLD) or (
-        mean_log_prob < LOG_PROB_THRESHOLD
-    )
-
-
-def _decode(
-    model,
-    featurizer,
-    frames: list,
-    start: Start,
-    batch_size: int,
-    *,
-    beam_width: int = 1,
-    temperature=0.0,
-    seed=0,
-    timestamps: Timestamps | None = None,
-) -> list[Decoded]:
-    """Each window's frames decoded, in batches: beam search, or sampling (greedy at
-    temperature 0), with the timestamp rules where given."""
-    end = featurizer.vocabulary.end
-    settings = {"max_new_tokens": MAX_NEW_TOKENS, "start": start, "stop_tokens": [end], "timestamps": timestamps}
-    decoded = []
-    for first in range(0, len(frames), batch_size):
-        chunk = frames[first : first + batch_size]
-        if beam_width > 1:
-            beams = generate_beams_from_source(
-                model, chunk, beam_size=beam_width, length_penalty=1.0, early_stopping=True, **settings
-            )
-            tokens, lengths, probe = beams.tokens[:, 0], beams.lengths[:, 0], beams.probe
-            # A beam's score is its log-probability over the length penalty (core.generation.beam).
-            log_probs = beams.scores[:, 0] * gnmt_penalty(lengths, 1.0)
-        else:
-            generated = generate_from_source(model, chunk, temperature=temperature, seed=seed, **settings)
-            tokens, lengths, log_probs, probe = generated
-        for ids, length, log_prob, p in zip(tokens, lengths, log_probs, probe):
-            ended = bool(length > 0 and ids[length - 1] == end)
-            kept = [int(i) for i in ids[: int(length) - ended]]
-            # Whisper's mean counts the text's tokens and one for the end, reached or not.
-            decoded.append(Decoded(kept, featurizer.decode(kept), float(log_prob) / (len(kept) + 1), float(p)))
-    return decoded
+@functools.cache
+def _alignment_heads(checkpoint: str) -> tuple[tuple[int, int], ...]:
+    return whisper.alignment_heads(checkpoint)
 
 
 class WhisperRoute:
@@ -378,11 +230,11 @@ class WhisperRoute:
         if not timed:
             found = transcribe(model, featurizer, examples, prompt, width, batch_size, fallback, temperature)
             return {"text": found[0]}
-        batched = options.get("batched", False)
+        batched, words = options.get("batched", False), options.get("word_timestamps", False)
         found = segments.transcribe(
-            model, featurizer, examples, prompt, width, batch_size, fallback, batched, temperature
+            model, featurizer, examples, prompt, width, batch_size, fallback, batched, temperature, words
         )
         return {
             "text": ["".join(s["text"] for s in timed).strip() for timed in found],
-            "segments": [[{**s, "text": s["text"].strip()} for s in timed] for timed in found],
+            "segments": [[segments.shown(s) for s in timed] for timed in found],
         }
