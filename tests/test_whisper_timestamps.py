@@ -185,13 +185,18 @@ def test_the_audio_endpoints_answer_as_apps_predict_does(tmp_path, transcriber):
         ]
         assert verbose.language == "en" and verbose.duration == pytest.approx(3.767, abs=1e-3)
         with short.open("rb") as file:
+            timed = speech.transcriptions.create(
+                model="whisper-tiny.en", file=file, response_format="verbose_json", timestamp_granularities=["word"]
+            )
+        assert " ".join(w.word for w in timed.words) == row["transcript"] and timed.words[0].start >= 0
+        with short.open("rb") as file:
             subtitles_text = speech.transcriptions.create(model="whisper-tiny.en", file=file, response_format="srt")
         [cue] = srt.parse(subtitles_text)
         assert cue.content == row["transcript"] and cue.end.total_seconds() == row["segments"][0]["end"]
         data = short.read_bytes()
         for fields, param in [
             ({"response_format": "xml"}, "response_format"),
-            ({"timestamp_granularities[]": "word"}, "timestamp_granularities[]"),
+            ({"timestamp_granularities[]": "letter"}, "timestamp_granularities[]"),
             ({"prompt": "Fox."}, "prompt"),
             ({"temperature": "hot"}, "temperature"),
             ({"voice": "x"}, "voice"),

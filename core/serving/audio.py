@@ -6,8 +6,8 @@ uploads share a call), with Whisper's timestamps on: the text, and its segments 
 times. Fields as OpenAI's API takes them: `file`, `model`, `language` (transcriptions),
 `temperature` (0, the default, is greedy with Whisper's fallback to sampling; above 0 the first
 decoding samples at it), `response_format` (`json`, `text`, `srt`, `vtt`, `verbose_json`) and
-`timestamp_granularities[]` (`segment`). An unknown field, word timestamps (not built yet) and
-`prompt` (conditioning on earlier text is not built either) are refused by name.
+`timestamp_granularities[]` (`segment`, `word`: verbose_json's `words`). An unknown field and
+`prompt` (conditioning on earlier text is not built) are refused by name.
 """
 
 from __future__ import annotations
@@ -55,10 +55,6 @@ def options(fields: dict[str, Any], translate: bool) -> dict[str, Any]:
         raise ApiError(400, "prompt: conditioning on earlier text is not supported by this server.", "prompt")
     if any(g not in ("segment", "word") for g in fields["granularities"]):
         raise ApiError(400, "timestamp_granularities[]: segment or word.", "timestamp_granularities[]")
-    if "word" in fields["granularities"]:
-        raise ApiError(
-            400, "timestamp_granularities[]: word timestamps are not built yet.", "timestamp_granularities[]"
-        )
     if fields.get("response_format", "json") not in FORMATS:
         raise ApiError(400, f"response_format: one of {', '.join(FORMATS)}.", "response_format")
     if translate and fields.get("language"):
@@ -73,6 +69,7 @@ def options(fields: dict[str, Any], translate: bool) -> dict[str, Any]:
         "language": fields.get("language") or "auto",
         "task": "translate" if translate else "",
         "timestamps": True,
+        "word_timestamps": "word" in fields["granularities"],
         "temperature": temperature,
     }
 
@@ -96,10 +93,11 @@ async def answer(served: Served, fields: dict[str, Any], translate: bool, limits
         return PlainTextResponse(served.task.formats[form](row))
     duration = len(examples[0]["audio"]) / SAMPLE_RATE
     segments = [{"id": i, **segment} for i, segment in enumerate(row.get("segments", []))]
+    words = [{k: w[k] for k in ("word", "start", "end")} for s in segments for w in s.pop("words", [])]
     return {
         "task": "translate" if translate else "transcribe",
         "language": row.get("language"),
         "duration": duration,
         "text": row["transcript"],
         "segments": segments,
-    }
+    } | ({"words": words} if "word" in fields["granularities"] else {})
