@@ -42,6 +42,7 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 LONGEST_FIRST = (
     "test_server.py",
     "test_whisper.py",
+    "test_whisper_timestamps.py",
     "test_generate.py",
     "test_multiprocess.py",
     "test_checkpoint.py",

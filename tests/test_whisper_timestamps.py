@@ -150,12 +150,25 @@ def test_subtitles_parse_as_srt_and_webvtt():
 
 def test_apps_predict_writes_subtitles_per_file(tmp_path):
     short = str(FIXTURES / "short.flac")
-    result = apps("predict", "speech", "--model", installed("whisper-tiny.en"), short, "--format", "srt")
+    result = apps(
+        "predict", "speech", "--model", installed("whisper-tiny.en"), short, "--beam-width", "1", "--format", "srt"
+    )
     assert result.exit_code == 0, result.output
     assert result.stdout.startswith("1\n00:00:00,000 --> 00:00:0") and "lazy dog" in result.stdout
     out = tmp_path / "subs"
     result = apps(
-        "predict", "speech", "--model", installed("whisper-tiny.en"), short, short, "--format", "vtt", "--output", out
+        "predict",
+        "speech",
+        "--model",
+        installed("whisper-tiny.en"),
+        short,
+        short,
+        "--beam-width",
+        "1",
+        "--format",
+        "vtt",
+        "--output",
+        out,
     )
     assert result.exit_code == 0, result.output
     assert sorted(p.name for p in out.iterdir()) == ["short-2.vtt", "short.vtt"]
