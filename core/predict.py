@@ -64,7 +64,7 @@ class Predictor:
         else:
             self.loaded = load_pretrained(task_type, model, data=data, whole_context=True)
         self.task, self.featurizer = self.loaded.task, self.loaded.featurizer
-        self.model = self.loaded.steps.model(narrowed(self.loaded.params, dtype))
+        self.model = self.loaded.steps.decoder(narrowed(self.loaded.params, dtype))
 
     def options(self, given: dict[str, Any]) -> dict[str, Any]:
         """Every `predict_options` value by name: the given ones (checked), else the defaults."""

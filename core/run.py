@@ -137,7 +137,7 @@ def _train(task, workdir: Path, console: Console) -> dict[str, float]:
         scores = {**streamed, **task.score(predictions, valid_examples, featurizer)}
         if task.validation_decoding is not None:
             options = {**predict_option_values(task, {}), **task.validation_decoding}
-            generated = task.generate(steps.model(params), featurizer, valid_examples, options)
+            generated = task.generate(steps.decoder(params), featurizer, valid_examples, options)
             scores.update(task.score_generated(generated, valid_examples, featurizer))
         return scores
 
@@ -200,7 +200,7 @@ def evaluate(
     )
     result: dict[str, Any] = {**streamed, **task.score(predictions, examples, featurizer)}
     if task.evaluated_decodings:
-        model = loaded.steps.model(loaded.params)
+        model = loaded.steps.decoder(loaded.params)
         defaults = predict_option_values(task, {})
         for name, settings in task.evaluated_decodings.items():
             generated = task.generate(model, featurizer, examples, {**defaults, **settings})
