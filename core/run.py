@@ -224,7 +224,7 @@ def embed(
     examples = task.parse_inputs(lines, predict_option_values(task, {}))
     model = loaded.steps.model(loaded.params)
     vectors = task.embed(model, loaded.featurizer, examples, per_position)
-    ids = [str(e["id"]) for e in examples]
+    ids = [str(e.get("id", f"input {n}")) for n, e in enumerate(examples, 1)]
     repeated = sorted({i for i in ids if ids.count(i) > 1})
     if repeated:
         raise UserError(f"Embeddings are keyed by id, and these ids repeat: {', '.join(repeated[:5])}.")

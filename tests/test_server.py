@@ -323,18 +323,20 @@ def test_structured_answers_parse_and_follow_their_schema(server, tiny):
         assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
 
 
-def test_embeddings_are_the_decoders_mean_pooled_states_alone_or_batched(server, tiny):
+def test_embeddings_are_the_models_mean_pooled_states_alone_or_batched(server, tiny):
     """Each input's embedding is the mean of the decoder's last states over its prompt ids (as
     `apps embed` reads them in process), at unit length; the same alone, batched with others,
-    concurrent, from token ids and in base64; bad values are named."""
+    concurrent, from token ids and in base64; a sentiment run's from its encoder; bad values
+    are named."""
     import base64
     import concurrent.futures
 
     from core.options import predict_option_values
     from core.predict import Predictor
     from tasks.nlp.lm import LMTask
+    from tasks.nlp.sentiment import SentimentTask
 
-    url, _ = server
+    url, log = server
     texts = ["the cat sat", "a", "the the the"]
     local = Predictor(LMTask, model=str(tiny))
     examples = local.task.parse_request(texts, predict_option_values(local.task, {}))
@@ -351,15 +353,24 @@ def test_embeddings_are_the_decoders_mean_pooled_states_alone_or_batched(server,
     from_ids = client(url).embeddings.create(model="tiny.gguf", input=ids, dimensions=len(expected[0]))
     np.testing.assert_allclose([d.embedding for d in from_ids.data], expected, atol=1e-5)
     raw = httpx.post(
-        f"{url}/v1/embeddings", json={"input": texts[0], "encoding_format": "base64"}, headers=auth()
+        f"{url}/v1/embeddings",
+        json={"model": "tiny.gguf", "input": texts[0], "encoding_format": "base64"},
+        headers=auth(),
     ).json()["data"][0]["embedding"]
     np.testing.assert_allclose(np.frombuffer(base64.b64decode(raw), "<f4"), expected[0], atol=1e-5)
+    # A sentiment run's: the mean of its encoder's last states over each text's tokens.
+    sentiment = Predictor(SentimentTask, workdir=log.parent / "sentiment")  # beside the server's log
+    states = sentiment.task.embed(sentiment.model, sentiment.featurizer, sentiment.task.parse_inputs(texts, {}))
+    encoded = client(url).embeddings.create(model="sentiment", input=texts)
+    np.testing.assert_allclose([d.embedding for d in encoded.data], [v / np.linalg.norm(v) for v in states], atol=1e-5)
     for body, status, param in [
-        ({"input": "a", "dimensions": 3}, 400, "dimensions"),
-        ({"input": []}, 400, "input"),
-        ({"input": [[1], [10**6]]}, 400, "input.1"),
-        ({"input": "a", "model": "sentiment"}, 404, "model"),
-        ({"input": "a", "encoding_format": "int8"}, 400, "encoding_format"),
+        ({"model": "tiny.gguf", "input": "a", "dimensions": 3}, 400, "dimensions"),
+        ({"model": "tiny.gguf", "input": []}, 400, "input"),
+        ({"model": "tiny.gguf", "input": [[1], [10**6]]}, 400, "input.1"),
+        ({"input": [[1]], "model": "sentiment"}, 400, "input"),
+        ({"input": "a", "model": "nobody"}, 404, "model"),
+        ({"input": "a"}, 400, "model"),  # two served models embed: which one
+        ({"model": "tiny.gguf", "input": "a", "encoding_format": "int8"}, 400, "encoding_format"),
     ]:
         response = httpx.post(f"{url}/v1/embeddings", json=body, headers=auth())
         assert response.status_code == status and response.json()["error"]["param"] == param, response.text

@@ -186,7 +186,7 @@ def test_a_window_that_loops_or_is_doubted_is_decoded_again_at_rising_temperatur
     first = [(loop, -0.05, 0.01), ("call me back", -0.2, 0.01), ("you you you you you you", -0.1, 0.9)]
     calls = []
 
-    def decode(model, featurizer, frames, start, batch_size, *, beam_width=1, temperature=0.0, seed=0, timestamps=None):
+    def decode(model, featurizer, frames, decoding, *, beam_width=1, temperature=0.0, seed=0):
         calls.append((len(frames), temperature))
         if temperature == 0.0:
             found = first
@@ -199,12 +199,12 @@ def test_a_window_that_loops_or_is_doubted_is_decoded_again_at_rising_temperatur
 
     monkeypatch.setattr(speech_windows, "_decode", decode)
     clips = [{"id": None, "audio": np.zeros(1600, np.float32), "where": f"clip {i}", "text": ""} for i in range(3)]
-    start = featurizer.decoding()
-    texts, no_speech = speech_windows.transcribe(None, featurizer, clips, start, beam_width=1, batch_size=8)
+    greedy = speech_windows.Decoding(featurizer.decoding(), beam_width=1, batch_size=8)
+    texts, no_speech = speech_windows.transcribe(None, featurizer, clips, greedy)
     assert texts == ["five nine", "call me back", ""] and no_speech == [[0.01], [0.01], [0.9]]
     assert calls == [(3, 0.0), (5, 0.2), (5, 0.4)]
     calls.clear()
-    assert speech_windows.transcribe(None, featurizer, clips, start, 1, 8, fallback=False)[0][0] == loop
+    assert speech_windows.transcribe(None, featurizer, clips, greedy._replace(fallback=False))[0][0] == loop
     assert calls == [(3, 0.0)]
 
 
@@ -234,7 +234,8 @@ def test_the_featurizer_teaches_the_transcript_after_the_prompt():
 
 
 def test_transcriber_reads_files_and_arrays_alike():
-    from tasks.speech.asr import Transcriber, whisper_tiny
+    from tasks.speech.asr import whisper_tiny
+    from tasks.speech.transcriber import Transcriber
 
     transcriber = Transcriber(model=installed("whisper-tiny.en"))
     path = FIXTURES / "clip_callback.wav"

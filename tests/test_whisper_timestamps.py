@@ -13,7 +13,7 @@ from test_whisper import installed
 
 from core.generation.timestamps import Timestamps
 from tasks.speech import audio, segments, subtitles, windows
-from tasks.speech.asr import Transcriber
+from tasks.speech.transcriber import Transcriber
 
 FIXTURES = Path(__file__).parent / "fixtures" / "whisper_timestamps"
 
@@ -71,14 +71,14 @@ def test_greedy_timestamp_decoding_matches_faster_whispers(transcriber):
     no-speech probability (unless the two part at a near tie: faster-whisper's own top two
     within 0.02 nats), and gives the same segments and the same start of the next window."""
     featurizer = transcriber.featurizer
-    start = featurizer.decoding(timestamps=True)
     rules = Timestamps(featurizer.vocabulary.timestamp_begin, featurizer.vocabulary.end)
+    greedy = windows.Decoding(featurizer.decoding(timestamps=True), 1, 1, fallback=False, timestamps=rules)
     compared = 0
     for name, transcript in reference()["transcripts"].items():
         samples = audio.load_audio(FIXTURES / f"{name}.flac")
         for window in transcript["windows"]:
             frames = faster_whisper_features(samples, window["seek"])
-            decoded = windows.decode_windows(transcriber.model, featurizer, [frames], start, 1, 1, False, rules)[0]
+            decoded = windows.decode_windows(transcriber.model, featurizer, [frames], greedy)[0]
             theirs = window["tokens"]
             parted = next((i for i, (a, b) in enumerate(zip(decoded.tokens, theirs)) if a != b), None)
             if parted is not None:
@@ -102,26 +102,62 @@ def test_greedy_timestamp_decoding_matches_faster_whispers(transcriber):
 
 def test_long_audio_gives_segments_in_order_covering_it(transcriber):
     """A 41 s file of ten sentences between silences of known lengths: segments in order, none
-    overlapping, within the file, each holding its sentence; the same first sentences when the
-    windows are cut first and decoded at once (`batched`)."""
+    overlapping, within the file, each holding its sentence; the same when only its stretches
+    of speech are decoded (`vad`), cut at their pauses and decoded at once (`batched`), the
+    times put back on the file's clock."""
     clips = json.loads((FIXTURES / "clips.json").read_text())
     samples = audio.load_audio(FIXTURES / "long.flac")
-    [row] = transcriber.segments([FIXTURES / "long.flac"], beam_width=1)
-    found = row["segments"]
-    assert row["language"] == "en" and row["text"] == " ".join(s["text"] for s in found)
-    assert transcriber.predict([str(FIXTURES / "long.flac")], beam_width=1)[0]["segments"] == found
-    starts, ends = [s["start"] for s in found], [s["end"] for s in found]
-    assert starts == sorted(starts) and all(e > s for s, e in zip(starts, ends))
-    assert all(b >= a for a, b in zip(ends, starts[1:])) and ends[-1] <= len(samples) / audio.SAMPLE_RATE + 0.02
-    # Each segment holds its sentence's speech and no other's, within 0.3 s: Whisper's timestamps
-    # without word alignment run a segment from the previous one's end, over the silence between.
     spoken = [(sentence["first_loud"], sentence["last_loud"]) for sentence in clips["long"]["sentences"]]
-    assert len(found) == len(spoken)
-    for segment, (first, last), before in zip(found, spoken, [(0.0, 0.0), *spoken]):
-        assert segment["start"] - 0.3 <= first and last <= segment["end"] + 0.3, (segment, first, last)
-        assert segment["start"] >= before[1] - 0.3, (segment, before)
-    batched = transcriber.segments([samples], beam_width=1, batched=True)[0]["segments"]
-    assert [s["text"] for s in batched][:3] == [s["text"] for s in found][:3]
+    [row] = transcriber.segments([FIXTURES / "long.flac"], beam_width=1)
+    assert row["language"] == "en" and row["text"] == " ".join(s["text"] for s in row["segments"])
+    [cut] = transcriber.segments([samples], beam_width=1, batched=True, vad=True)
+    for found in (row["segments"], cut["segments"]):
+        starts, ends = [s["start"] for s in found], [s["end"] for s in found]
+        assert starts == sorted(starts) and all(e > s for s, e in zip(starts, ends))
+        assert all(b >= a for a, b in zip(ends, starts[1:])) and ends[-1] <= len(samples) / audio.SAMPLE_RATE + 0.02
+        # Each segment holds its sentence's speech and no other's, within 0.3 s: Whisper's
+        # timestamps without word alignment run a segment from the previous one's end.
+        assert len(found) == len(spoken), found
+        for segment, (first, last), before in zip(found, spoken, [(0.0, 0.0), *spoken]):
+            assert segment["start"] - 0.3 <= first and last <= segment["end"] + 0.3, (segment, first, last)
+            assert segment["start"] >= before[1] - 0.3, (segment, before)
+
+
+def test_voice_activity_detection_finds_the_speech_as_faster_whisper_does(transcriber):
+    """Silero VAD's stretches of the 41 s file are faster-whisper's (1.2.1, `get_speech_timestamps`
+    on the same samples, its defaults and its batched pipeline's); times in the joined stretches
+    go back to the file's clock; a minute of silence or of faint noise holds no speech, so
+    nothing is decoded."""
+    from tasks.speech import vad
+
+    samples = audio.load_audio(FIXTURES / "long.flac")
+    assert vad.speech(samples) == [(1792, 186112), (214272, 421120), (446208, 558336), (584448, 656751)]
+    assert vad.speech(samples, vad.BATCHED) == [
+        (1792, 57600), (70400, 125440), (125440, 186112), (214272, 260864), (264448, 314112),
+        (333568, 384768), (386304, 421120), (446208, 515840), (525568, 558336), (584448, 647424),
+    ]  # fmt: skip
+    kept = vad.Kept(((16000, 32000), (80000, 96000)))  # 1-2 s and 5-6 s
+    assert kept.joined(np.arange(100_000)).tolist() == [*range(16000, 32000), *range(80000, 96000)]
+    assert [kept.original(0.5), kept.original(1.0, end=True), kept.original(1.0), kept.original(1.25)] == [
+        1.5, 2.0, 5.0, 5.25
+    ]  # fmt: skip
+    assert kept.windows(np.zeros(32000), 20000) == [slice(0, 16000), slice(16000, 32000)]
+    minute = 60 * audio.SAMPLE_RATE
+    noise = np.random.default_rng(0).normal(0, 10 ** (-60 / 20), minute).astype(np.float32)  # -60 dBFS
+    assert vad.speech(np.zeros(minute, np.float32)) == [] and vad.speech(noise) == []
+    rows = transcriber.segments([np.zeros(minute, np.float32), noise], vad=True)
+    assert [(r["text"], r["segments"]) for r in rows] == [("", []), ("", [])]
+
+
+def test_voice_activity_detection_names_its_missing_model(monkeypatch):
+    import importlib.util
+
+    from core.errors import UserError
+    from tasks.speech import vad
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(UserError, match=r"pip install --no-deps faster-whisper==1.2.1"):
+        vad.model_path()
 
 
 def test_subtitles_parse_as_srt_and_webvtt():

@@ -25,6 +25,7 @@ from core.checkpoints import pretrained
 from core.config import Config, DataConfig, ModelConfig, OptimConfig, TrainConfig, require
 from core.errors import UserError
 from core.model.heads import TokenEmbedder
+from core.model.states import last_states
 from core.presets import tiny_body, tiny_preset
 from core.task import final
 from tasks.common import reviews, splits
@@ -220,6 +221,14 @@ class SentimentTask(SequenceClassification):
         if not texts:
             raise UserError("apps predict sentiment needs at least one non-empty text (as arguments or on stdin).")
         return [{"text": text, "label": None} for text in texts]
+
+    def embed(self, model, featurizer: TextFeaturizer, examples: Sequence[dict], per_position: bool = False):
+        """Each text's mean embedding [D] of the body's last states over its tokens (cut at
+        `max_len`), as sentence-transformers pools MiniLM; or those states [L, D] with `per_position`."""
+        ids, mask = featurizer.tokenizer.encode([e["text"] for e in examples], featurizer.max_len)
+        states = last_states(model, ids, mask.astype(bool), self.config.train.eval_batch_size)
+        tokens = [row[kept.astype(bool)] for row, kept in zip(states, mask)]
+        return tokens if per_position else [t.mean(0) for t in tokens]
 
     def render(
         self, predictions: dict[str, np.ndarray], examples: Sequence[dict], featurizer: TextFeaturizer

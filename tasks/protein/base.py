@@ -17,14 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Literal
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from core.config import Config, DataConfig, ModelConfig, OptimConfig, TrainConfig, require
 from core.errors import UserError
 from core.model.heads import TokenEmbedder
+from core.model.states import last_states
 from core.options import RequestLimits
 from core.presets import modern_blocks, tiny_preset
 from core.task import Task
@@ -215,17 +214,6 @@ class ResidueFeaturizer:
 # --- The tasks' shared part ------------------------------------------------------------------
 
 
-class Encoder(nnx.Module):
-    """A run's embedder and body: residue ids and mask -> hidden states [B, T, D]."""
-
-    def __init__(self, model: nnx.Module):
-        self.embedder, self.body = model.embedder, model.body
-
-    def __call__(self, ids: jax.Array, mask: jax.Array) -> jax.Array:
-        x, mask = self.embedder(ids, mask)
-        return self.body(x, mask)
-
-
 @dataclass(frozen=True, kw_only=True)
 class ProteinTask(Task):
     """The shared part of protein-mlm, protein-class and protein-residue."""
@@ -310,11 +298,7 @@ class ProteinTask(Task):
         the sequences as they are (never masked), averaged over the windows covering each residue."""
         codes = [sequences.encode(e["sequence"], e["id"]) for e in examples]
         rows = sequences.windows({"inputs": codes}, featurizer.max_len)
-        forward = nnx.jit(lambda encoder, ids: encoder(ids, ids != sequences.PAD))
-        encoder, size = Encoder(model), self.config.train.eval_batch_size
         ids = rows["inputs"].astype(np.int32)
-        hidden = np.concatenate(
-            [np.asarray(forward(encoder, jnp.asarray(ids[i : i + size]))) for i in range(0, len(ids), size)]
-        )
+        hidden = last_states(model, ids, ids != sequences.PAD, self.config.train.eval_batch_size)
         residues = sequences.merge_windows(hidden, rows["sequence"], rows["offset"], [len(c) for c in codes])
         return residues if per_position else [r.mean(0) for r in residues]

@@ -6,7 +6,7 @@ Two sets, from the embedded sentences corpus's test split: 8 short clips (one ut
 2-4 s) and 8 long ones (6 utterances joined, 10-30 s). Each set runs at batch 1 (a call per
 clip) and batch 8 (one call); Whisper reads a 30 s window whatever the clip's length, so the
 encoder costs the same for a 2 s clip as for a 30 s one. Greedy without the temperature
-fallback (`transcribe(fallback=False)`), as CTranslate2's `generate` decodes: a window that the
+fallback (`Decoding(fallback=False)`), as CTranslate2's `generate` decodes: a window that the
 model doubts is otherwise sampled again 5 times at up to 5 temperatures, each run to its
 length limit when it loops, and one such clip of the 8 short ones (test clip 5) took 10 of
 their 11 s.
@@ -25,7 +25,7 @@ from core.model.precision import narrowed
 from tasks.speech import corpus
 from tasks.speech.audio import SAMPLE_RATE
 from tasks.speech.featurizer import clip
-from tasks.speech.windows import transcribe
+from tasks.speech.windows import Decoding, transcribe
 
 CLIPS = 8
 JOINED = 6  # utterances in a long clip
@@ -40,7 +40,7 @@ def clip_sets() -> dict[str, list[np.ndarray]]:
 
 
 def transcription(name: str, console: Console) -> list[dict]:
-    from tasks.speech.asr import Transcriber
+    from tasks.speech.transcriber import Transcriber
 
     transcriber = Transcriber(model=name)
     featurizer = transcriber.featurizer
@@ -60,9 +60,10 @@ def transcription(name: str, console: Console) -> list[dict]:
         seconds = sum(len(c) for c in clips) / SAMPLE_RATE
         for dtype, model in models.items():
             for batch in (1, 8):
-                transcribe(model, featurizer, examples[:batch], start, 1, batch, fallback=False)  # compiles
+                greedy = Decoding(start, beam_width=1, batch_size=batch, fallback=False)
+                transcribe(model, featurizer, examples[:batch], greedy)  # compiles
                 began = time.perf_counter()
-                transcribe(model, featurizer, examples, start, 1, batch, fallback=False)
+                transcribe(model, featurizer, examples, greedy)
                 wall = time.perf_counter() - began
                 results.append(
                     {"model": name, "clips": kind, "audio_s": seconds, "dtype": dtype, "batch_size": batch}

@@ -8,12 +8,14 @@ end of the last complete segment, so that a sentence cut by the window's end is 
 the next; a window that ends on a lone timestamp (its last segment closed, nothing begun) was
 read to its end. Each file's windows run one after another, the files' windows side by side in
 one batch. `batched` instead cuts the audio into windows at quiet moments first
-(`tasks.speech.whisper.cut_windows`) and decodes all of them at once, as faster-whisper's
-`BatchedInferencePipeline` does with its voice-activity chunks: faster on long audio, with
-segments that cannot cross a cut.
+(`tasks.speech.windows.cut_windows`) and decodes all of them at once, as faster-whisper's
+`BatchedInferencePipeline` does: faster on long audio, with segments that cannot cross a cut.
+With `vad`, only the stretches of speech are decoded, joined (`tasks.speech.vad`), and the times
+found are put back on the recording's clock; `batched` with `vad` cuts where stretches meet, as
+faster-whisper's pipeline cuts at its voice-activity chunks.
 
-A window that holds no speech (`tasks.speech.whisper.silent`) gives no segment; the
-temperature fallback runs per window, as without timestamps (`tasks.speech.whisper.decode_windows`).
+A window that holds no speech (`tasks.speech.windows.silent`) gives no segment; the
+temperature fallback runs per window, as without timestamps (`tasks.speech.windows.decode_windows`).
 """
 
 from __future__ import annotations
@@ -21,12 +23,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from core.generation.timestamps import PRECISION, Timestamps
-from core.model.encoder_decoder import Start
 from tasks.speech import audio
+from tasks.speech import vad as vad_lib
 from tasks.speech import words as word_times
 from tasks.speech.featurizer import clip
-from tasks.speech.windows import cut_windows, decode_windows, silent
+from tasks.speech.windows import Decoding, cut_windows, decode_windows, silent
 
 if TYPE_CHECKING:
     from tasks.speech.whisper import WhisperFeaturizer
@@ -77,20 +81,23 @@ def transcribe(
     model,
     featurizer: WhisperFeaturizer,
     examples: Sequence[dict],
-    start: Start,
-    beam_width: int,
-    batch_size: int,
-    fallback: bool = True,
+    decoding: Decoding,
     batched: bool = False,
-    temperature: float = 0.0,
     words: bool = False,
+    vad: bool = False,
 ) -> list[list[Segment]]:
     """Each example's segments, its windows read one after another from the last complete
     segment's end, or, `batched`, cut first and decoded at once (see the module's text); with
     `words`, each segment's words with their times (`tasks.speech.words`), and the next window
-    from the last word's end, as Whisper's transcribe() goes on with word timestamps."""
-    timestamps = Timestamps(begin=featurizer.vocabulary.timestamp_begin, end=featurizer.vocabulary.end)
+    from the last word's end, as Whisper's transcribe() goes on with word timestamps; with
+    `vad`, only the stretches of speech decoded (`tasks.speech.vad`), the times the recording's."""
+    decoding = decoding._replace(
+        timestamps=Timestamps(begin=featurizer.vocabulary.timestamp_begin, end=featurizer.vocabulary.end)
+    )
     clips = [clip(example, silence_allowed=True) for example in examples]
+    settings = vad_lib.BATCHED if batched else vad_lib.Settings()
+    kept = [vad_lib.Kept.of(samples, settings) for samples in clips] if vad else []
+    clips = [k.joined(samples) for k, samples in zip(kept, clips)] if vad else clips
     lengths = [len(samples) // audio.HOP for samples in clips]  # in 10 ms frames
     width = featurizer.window_frames
     found: list[list[Segment]] = [[] for _ in clips]
@@ -99,9 +106,7 @@ def transcribe(
     def decoded(windows: list[tuple[int, int, int]]):  # (example, first frame, frames)
         hop = audio.HOP
         frames = [featurizer.frames(clips[i][first * hop : (first + size) * hop]) for i, first, size in windows]
-        results = decode_windows(
-            model, featurizer, frames, start, beam_width, batch_size, fallback, timestamps, temperature
-        )
+        results = decode_windows(model, featurizer, frames, decoding)
         spoken = [
             not silent(r, clips[i][first * hop : (first + size) * hop]) for r, (i, first, size) in zip(results, windows)
         ]
@@ -113,22 +118,43 @@ def transcribe(
             _words(model, featurizer, frames, windows, [segments for segments, _ in split_up], last_speech)
         for (i, first, size), result, (segments, read) in zip(windows, results, split_up):
             found[i] += segments
-            if words and segments and not ends_alone(result.tokens, timestamps.begin):
+            if words and segments and not ends_alone(result.tokens, decoding.timestamps.begin):
                 ended = max((w["end"] for s in segments for w in s["words"]), default=0.0) - first * FRAME
                 read = ended if ended > 0 else read
             yield i, (min(size, round(read / FRAME)) or size) if segments else size
 
     if batched:
-        cuts = [(i, cut) for i, samples in enumerate(clips) for cut in cut_windows(samples, width * audio.HOP)]
-        windows = [(i, cut.start // audio.HOP, (cut.stop - cut.start) // audio.HOP) for i, cut in cuts]
-        for _ in decoded([w for w in windows if w[2] > 0]):
+        for _ in decoded(_cut(clips, kept, width * audio.HOP)):
             pass
-        return found
-    seeks = [0] * len(clips)  # each recording's next window, in frames
-    while active := [i for i in range(len(clips)) if seeks[i] < lengths[i]]:
-        for i, read in decoded([(i, seeks[i], min(width, lengths[i] - seeks[i])) for i in active]):
-            seeks[i] += read
-    return found
+    else:
+        seeks = [0] * len(clips)  # each recording's next window, in frames
+        while active := [i for i in range(len(clips)) if seeks[i] < lengths[i]]:
+            for i, read in decoded([(i, seeks[i], min(width, lengths[i] - seeks[i])) for i in active]):
+                seeks[i] += read
+    return [[restored(s, k) for s in segments] for segments, k in zip(found, kept)] if vad else found
+
+
+def _cut(clips: list[np.ndarray], kept: list[vad_lib.Kept], window: int) -> list[tuple[int, int, int]]:
+    """The windows of `batched` decoding (recording, first frame, frames): cut at quiet moments,
+    or with `kept` stretches of speech where they meet."""
+    cuts = [
+        (i, cut)
+        for i, samples in enumerate(clips)
+        for cut in (kept[i].windows(samples, window) if kept else cut_windows(samples, window))
+    ]
+    windows = [(i, cut.start // audio.HOP, (cut.stop - cut.start) // audio.HOP) for i, cut in cuts]
+    return [w for w in windows if w[2] > 0]
+
+
+def restored(segment: Segment, kept: vad_lib.Kept) -> Segment:
+    """A segment found in a recording's joined stretches of speech, on the recording's clock."""
+    times = {"start": kept.original(segment["start"]), "end": kept.original(segment["end"], end=True)}
+    if "words" in segment:
+        times["words"] = [
+            {**w, "start": kept.original(w["start"]), "end": kept.original(w["end"], end=True)}
+            for w in segment["words"]
+        ]
+    return segment | times
 
 
 def _words(model, featurizer, frames, windows, found: list[list[Segment]], last_speech: list[float]) -> None:

@@ -37,7 +37,7 @@ from core.training import losses
 from tasks.common.tokenizer import PretrainedTokenizer
 from tasks.speech import audio as audio_lib
 from tasks.speech.featurizer import clip, describe
-from tasks.speech.windows import transcribe
+from tasks.speech.windows import Decoding, transcribe
 
 if TYPE_CHECKING:
     from tasks.speech.asr import SpeechTask
@@ -220,19 +220,24 @@ class WhisperRoute:
         """The clips' transcripts in one `language`, with their segments where timestamps are on."""
         from tasks.speech import segments
 
-        timed, temperature = options.get("timestamps", False), options.get("temperature", 0.0)
-        prompt = featurizer.decoding(language, options["task"], timed)
-        batch_size, fallback, width = (
-            self.task.config.train.eval_batch_size,
-            options.get("fallback", True),
-            options["beam_width"],
+        timed = options.get("timestamps", False)
+        decoding = Decoding(
+            start=featurizer.decoding(language, options["task"], timed),
+            beam_width=options["beam_width"],
+            batch_size=self.task.config.train.eval_batch_size,
+            fallback=options.get("fallback", True),
+            temperature=options.get("temperature", 0.0),
         )
         if not timed:
-            found = transcribe(model, featurizer, examples, prompt, width, batch_size, fallback, temperature)
-            return {"text": found[0]}
-        batched, words = options.get("batched", False), options.get("word_timestamps", False)
+            return {"text": transcribe(model, featurizer, examples, decoding)[0]}
         found = segments.transcribe(
-            model, featurizer, examples, prompt, width, batch_size, fallback, batched, temperature, words
+            model,
+            featurizer,
+            examples,
+            decoding,
+            batched=options.get("batched", False),
+            words=options.get("word_timestamps", False),
+            vad=options.get("vad", False),
         )
         return {
             "text": ["".join(s["text"] for s in timed).strip() for timed in found],

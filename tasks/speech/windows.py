@@ -66,25 +66,29 @@ class Decoded(NamedTuple):
     no_speech: float
 
 
-def transcribe(
-    model,
-    featurizer: WhisperFeaturizer,
-    examples: Sequence[dict],
-    start: Start,
-    beam_width: int,
-    batch_size: int,
-    fallback: bool = True,
-    temperature: float = 0.0,
-):
-    """Each example's transcript after the prompt `start` (`Vocabulary.decoding`: language and
-    task), its windows (`cut_windows`) decoded as one batch (`decode_windows`), and, per
-    example, the windows' no-speech probabilities."""
+class Decoding(NamedTuple):
+    """How windows are decoded: after the prompt `start` (`Vocabulary.decoding`: language and
+    task), `batch_size` at a time; greedy with `beam_width` 1, else beam search as Whisper's (the
+    first W ended beams, by log-probability over length), or sampled at `temperature` above 0;
+    with Whisper's temperature `fallback`; under its timestamp rules where `timestamps` are given."""
+
+    start: Start
+    beam_width: int
+    batch_size: int
+    fallback: bool = True
+    temperature: float = 0.0
+    timestamps: Timestamps | None = None
+
+
+def transcribe(model, featurizer: WhisperFeaturizer, examples: Sequence[dict], decoding: Decoding):
+    """Each example's transcript, its windows (`cut_windows`) decoded as one batch
+    (`decode_windows`), and, per example, the windows' no-speech probabilities."""
     pieces = []  # (example index, its window's samples)
     for index, example in enumerate(examples):
         samples = clip(example, silence_allowed=True)  # Whisper says itself that a window holds no speech
         pieces += [(index, samples[window]) for window in cut_windows(samples, featurizer.window_samples)]
     frames = [featurizer.frames(samples) for _, samples in pieces]
-    decoded = decode_windows(model, featurizer, frames, start, beam_width, batch_size, fallback, None, temperature)
+    decoded = decode_windows(model, featurizer, frames, decoding)
     texts: list[list[str]] = [[] for _ in examples]
     no_speech: list[list[float]] = [[] for _ in examples]
     for (index, samples), window in zip(pieces, decoded):
@@ -94,44 +98,28 @@ def transcribe(
     return [" ".join(parts) for parts in texts], no_speech
 
 
-def decode_windows(
-    model,
-    featurizer: WhisperFeaturizer,
-    frames: list[np.ndarray],
-    start: Start,
-    beam_width: int,
-    batch_size: int,
-    fallback: bool = True,
-    timestamps: Timestamps | None = None,
-    temperature: float = 0.0,
-) -> list[Decoded]:
-    """Each window's decoding after the prompt `start`, greedy with `beam_width` 1, else beam
-    search as Whisper's (the first W ended beams, by log-probability over length), or sampled
-    at `temperature` above 0, with Whisper's timestamp rules where `timestamps` are given.
+def decode_windows(model, featurizer: WhisperFeaturizer, frames: list[np.ndarray], decoding: Decoding) -> list[Decoded]:
+    """Each window's decoding (`Decoding`).
 
     With `fallback`, as Whisper's transcribe(): a window whose text repeats itself (its gzip
     compression ratio above 2.4: greedy decoding caught in a loop) or whose tokens the model
     doubts (mean log-probability below -1) is decoded again by sampling at rising temperatures,
     0.2 to 1.0, the likeliest of 5 samples each, until one passes (or the last is kept). A
     window that holds no speech is not decoded again: it gives no text."""
-    width = beam_width if temperature == 0 else 1
-    decoded = _decode(
-        model, featurizer, frames, start, batch_size, beam_width=width, temperature=temperature, timestamps=timestamps
-    )
+    width = decoding.beam_width if decoding.temperature == 0 else 1
+    decoded = _decode(model, featurizer, frames, decoding, beam_width=width, temperature=decoding.temperature)
     # A window the model finds empty and doubts is silence (Whisper's rule): not decoded again.
     retry = [
         i for i, w in enumerate(decoded) if not (w.no_speech > NO_SPEECH_THRESHOLD and w.log_prob < LOG_PROB_THRESHOLD)
     ]
-    retry = retry if fallback else []
-    hotter = [t for t in FALLBACK_TEMPERATURES if t > temperature]
+    retry = retry if decoding.fallback else []
+    hotter = [t for t in FALLBACK_TEMPERATURES if t > decoding.temperature]
     for step, warmer in enumerate(hotter):
         retry = [i for i in retry if doubtful(decoded[i].text, decoded[i].log_prob)]
         if not retry:
             break
         again = [frames[i] for i in retry for _ in range(BEST_OF)]
-        samples = _decode(
-            model, featurizer, again, start, batch_size, temperature=warmer, seed=step, timestamps=timestamps
-        )
+        samples = _decode(model, featurizer, again, decoding, temperature=warmer, seed=step)
         for n, i in enumerate(retry):
             best = max(samples[n * BEST_OF : (n + 1) * BEST_OF], key=lambda sample: sample.log_prob)
             decoded[i] = best._replace(no_speech=decoded[i].no_speech)
@@ -158,24 +146,20 @@ def doubtful(text: str, mean_log_prob: float) -> bool:
 
 
 def _decode(
-    model,
-    featurizer,
-    frames: list,
-    start: Start,
-    batch_size: int,
-    *,
-    beam_width: int = 1,
-    temperature=0.0,
-    seed=0,
-    timestamps: Timestamps | None = None,
+    model, featurizer, frames: list, decoding: Decoding, *, beam_width: int = 1, temperature=0.0, seed=0
 ) -> list[Decoded]:
-    """Each window's frames decoded, in batches: beam search, or sampling (greedy at
-    temperature 0), with the timestamp rules where given."""
+    """Each window's frames decoded, `decoding.batch_size` at a time: beam search, or sampling
+    (greedy at temperature 0), with the timestamp rules where given."""
     end = featurizer.vocabulary.end
-    settings = {"max_new_tokens": MAX_NEW_TOKENS, "start": start, "stop_tokens": [end], "timestamps": timestamps}
+    settings = {
+        "max_new_tokens": MAX_NEW_TOKENS,
+        "start": decoding.start,
+        "stop_tokens": [end],
+        "timestamps": decoding.timestamps,
+    }
     decoded = []
-    for first in range(0, len(frames), batch_size):
-        chunk = frames[first : first + batch_size]
+    for first in range(0, len(frames), decoding.batch_size):
+        chunk = frames[first : first + decoding.batch_size]
         if beam_width > 1:
             beams = generate_beams_from_source(
                 model, chunk, beam_size=beam_width, length_penalty=1.0, early_stopping=True, **settings
