@@ -318,6 +318,7 @@ def test_structured_answers_parse_and_follow_their_schema(server, tiny):
             "response_format",
         ),
         ({"response_format": {"type": "json_object"}, "min_tokens": 3}, "min_tokens"),
+        ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos"),
     ]:
         response = httpx.post(f"{url}/v1/completions", json={"prompt": "a", **body}, headers=auth())
         assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
@@ -392,13 +393,16 @@ def test_a_stop_sequence_and_seeded_sampling(server):
 
 def test_min_tokens_holds_the_end_tokens_back(server):
     """The same seeded draws with and without min_tokens: the answers that drew an end token stop
-    there without it, and draw another token there with it, running on to max_tokens."""
+    there without it, and draw another token there with it, running on to max_tokens, as they
+    do with ignore_eos."""
     request = {"model": "tiny.gguf", "prompt": "x", "max_tokens": 100, "temperature": 2.0, "seed": 1, "n": 16}
     natural = client(url := server[0]).completions.create(**request)
     ended = [c for c in natural.choices if c.finish_reason == "stop"]
     assert ended and natural.usage.completion_tokens < 16 * 100
     fixed = client(url).completions.create(**request, extra_body={"min_tokens": 100})
     assert {c.finish_reason for c in fixed.choices} == {"length"} and fixed.usage.completion_tokens == 16 * 100
+    ignored = client(url).completions.create(**request, extra_body={"ignore_eos": True})  # as vLLM, llama-server
+    assert [c.text for c in ignored.choices] == [c.text for c in fixed.choices]
     for choice in ended:  # (less a piece of a character that the end token cut short)
         assert fixed.choices[choice.index].text.startswith(choice.text.rstrip("\ufffd"))
 

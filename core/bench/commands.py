@@ -104,7 +104,7 @@ def bench_serve(
     ] = None,
     context: Annotated[Optional[int], typer.Option(metavar="N", help="Positions per slot (serve --context).")] = None,
     fixed_lengths: Annotated[
-        bool, typer.Option("--fixed-lengths", help="Each answer runs to its max_tokens (min_tokens set).")
+        bool, typer.Option("--fixed-lengths", help="Each answer runs to its max_tokens (ignore_eos set).")
     ] = False,
     dtype: DtypeOpt = "float32",
     json_path: JsonOpt = None,

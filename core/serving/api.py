@@ -244,6 +244,9 @@ class Sampling(Strict):
     # As vLLM's and llama-cpp-python's servers take it: the model's end tokens cannot be drawn
     # before this many new tokens (min_tokens = max_tokens fixes a load benchmark's output lengths).
     min_tokens: int = Field(default=0, ge=0)
+    # As vLLM's and llama-server's take it: the end tokens never end the answer (it runs to
+    # max_tokens, or a stop sequence), what a load benchmark sends to fix its output lengths.
+    ignore_eos: bool = False
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     logit_bias: Annotated[dict[str, float], AfterValidator(token_biases)] | None = None

@@ -106,7 +106,7 @@ class Completions:
                 top_p=body.top_p,
                 seed=(seed + index) % 2**32,
                 stop_ids=frozenset(featurizer.tokenizer.stop_ids),
-                min_new=body.min_tokens,
+                min_new=max_new if body.ignore_eos else body.min_tokens,
                 logprobs=alternatives,
                 presence_penalty=body.presence_penalty,
                 frequency_penalty=body.frequency_penalty,
@@ -178,8 +178,9 @@ def _constraint(served: Served, body: Sampling, offer) -> Callable[[], Constrain
             grammar = json_grammar(schema)
         except UserError as error:
             raise ApiError(400, f"response_format: {error}.", "response_format") from None
-    if grammar is not None and body.min_tokens:
-        raise ApiError(400, "min_tokens: an answer kept to a grammar ends where its grammar does.", "min_tokens")
+    for field in ("min_tokens", "ignore_eos"):
+        if grammar is not None and getattr(body, field):
+            raise ApiError(400, f"{field}: an answer kept to a grammar ends where its grammar does.", field)
     return served.constraints(grammar, "response_format" if schema is not None else "tools")
 
 

@@ -9,8 +9,10 @@ URL (any OpenAI-compatible server, such as llama.cpp's `llama-server` on the sam
 client sends streamed completion requests (`/v1/completions`, greedy) one after another for
 `seconds`; the requests mix short and long prompts (`PROMPTS`) and outputs (`MAX_TOKENS`), in
 an order fixed by the request's number. A model often ends an answer well before its
-max_tokens; `--fixed-lengths` sets each request's min_tokens to its max_tokens (as vLLM's and
-llama-cpp-python's servers take it), so every server writes the lengths of the mix.
+max_tokens; `--fixed-lengths` sends `ignore_eos` (as vLLM's and llama-server's take it: the
+end tokens never end an answer), so every server writes the lengths of the mix. A request
+whose kept-alive connection the server had closed is sent again on a new one, as the openai
+client does (llama-server closes idle connections), never one that had begun answering.
 
 The figures are of that window alone, so that they measure the server loaded by `clients`, not
 a ramp-up or a tail where fewer clients are left: the tokens are those streamed within it (each
@@ -74,7 +76,7 @@ def run_load(
     """`clients` threads send streamed completions to `url` (an OpenAI base URL, ending in /v1)
     for `seconds`, client i sending requests i, i + clients, i + 2 clients, ... -> the figures
     of the module's text, with the counts behind them ("tokens", "requests", "cut": answers cut
-    off at the end). `fixed_lengths`: each request sets min_tokens to its max_tokens."""
+    off at the end). `fixed_lengths`: each request runs to its max_tokens (`ignore_eos`)."""
     load = _Load(url, model, clients, time.perf_counter() + seconds, api_key, fixed_lengths)
     threads = [threading.Thread(target=load.client, args=(i,)) for i in range(clients)]
     for thread in threads:
@@ -139,9 +141,9 @@ class _Load:
             "temperature": 0,
             "stream": True,
             "stream_options": {"include_usage": True},
-        } | ({"min_tokens": max_tokens} if self.fixed_lengths else {})
+        } | ({"ignore_eos": True} if self.fixed_lengths else {})
         sent, first, usage, pieces = time.perf_counter(), None, None, 0
-        with session.stream("POST", f"{self.url}/completions", json=body) as response:
+        with self.opened(session, body) as response:
             if response.status_code != 200:
                 raise RuntimeError(f"HTTP {response.status_code}: {response.read()[:200]!r}")
             for line in response.iter_lines():
@@ -162,6 +164,21 @@ class _Load:
         with self.lock:
             self.tokens += pieces if usage is None else usage
             self.finished.append({"latency": time.perf_counter() - sent, "first": first})
+
+    def opened(self, session, body: dict):
+        """The streamed response to `body`, sent again on a new connection where the kept-alive
+        one turns out closed before any answer came."""
+        import httpx2 as httpx
+
+        def send():
+            return contextlib.closing(
+                session.send(session.build_request("POST", f"{self.url}/completions", json=body), stream=True)
+            )
+
+        try:
+            return send()
+        except httpx.RemoteProtocolError:  # the pool drops the closed connection: the next send opens one
+            return send()
 
 
 def _free_port() -> int:
