@@ -141,6 +141,8 @@ def test_voice_activity_detection_finds_the_speech_as_faster_whisper_does(transc
     assert [kept.original(0.5), kept.original(1.0, end=True), kept.original(1.0), kept.original(1.25)] == [
         1.5, 2.0, 5.0, 5.25
     ]  # fmt: skip
+    # Within a 20 ms step of the joint, a start is the later stretch's and an end the earlier's.
+    assert [kept.original(0.99), kept.original(1.01, end=True), kept.original(0.97)] == [5.0, 2.0, 1.97]
     assert kept.windows(np.zeros(32000), 20000) == [slice(0, 16000), slice(16000, 32000)]
     minute = 60 * audio.SAMPLE_RATE
     noise = np.random.default_rng(0).normal(0, 10 ** (-60 / 20), minute).astype(np.float32)  # -60 dBFS

@@ -33,6 +33,7 @@ FRAME = 512  # samples a probability: 32 ms at 16 kHz
 CONTEXT = 64  # samples of the frame before that each frame is read with
 STATE = 128  # the recurrent state's width
 ROWS = 10_000  # frames per call of the model (320 s), the state carried between calls
+STEP = 0.02  # seconds between Whisper's timestamps
 CARRIER = "faster-whisper==1.2.1"  # the wheel that ships the model, installed without its dependencies
 
 
@@ -150,12 +151,16 @@ class Kept:
         ]
 
     def original(self, seconds: float, end: bool = False) -> float:
-        """A time in the joined audio on the recording's clock; one where two stretches meet is
-        the earlier's end (`end`) or the later's start."""
+        """A time in the joined audio on the recording's clock. Whisper's times come in 20 ms
+        steps, so one within a step of where two stretches meet is read as that joint: a
+        start (`end` false) as the later stretch's beginning, an end as the earlier's end."""
         if not self.stretches:
             return seconds
-        sample = round(seconds * audio.SAMPLE_RATE)
-        find = bisect.bisect_left if end else bisect.bisect_right
-        k = min(find(self.ends, sample), len(self.stretches) - 1)
-        joined_start = self.ends[k] - (self.stretches[k][1] - self.stretches[k][0])
-        return round((self.stretches[k][0] + sample - joined_start) / audio.SAMPLE_RATE, 3)
+        sample, step = round(seconds * audio.SAMPLE_RATE), round(STEP * audio.SAMPLE_RATE)
+        if end:
+            k = min(bisect.bisect_left(self.ends, sample - step + 1), len(self.stretches) - 1)
+        else:
+            k = min(bisect.bisect_right(self.ends, sample + step - 1), len(self.stretches) - 1)
+        first, last = self.stretches[k]
+        found = min(max(first + sample - (self.ends[k] - (last - first)), first), last)
+        return round(found / audio.SAMPLE_RATE, 3)
