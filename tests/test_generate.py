@@ -223,6 +223,20 @@ def test_an_abandoned_generation_ends_at_its_next_step_and_others_run_on(model):
     assert abandon.current() is None
 
 
+def test_an_abandoned_beam_search_ends_at_its_next_step(model):
+    """Beam search asks as sampling does: with its event set, the search ends after the step
+    that follows the first token (two tokens written, every later place empty); an event never
+    set changes nothing."""
+    settings = dict(beam_size=2, max_new_tokens=8, stop_tokens=())
+    whole = generate_beams(model, PROMPTS, **settings)
+    event = threading.Event()
+    event.set()
+    cut = abandon.run(event, functools.partial(generate_beams, model, PROMPTS, **settings))
+    assert not cut.tokens[:, :, 2:].any() and cut.tokens[:, :, :2].all() and whole.tokens[:, :, 2:].any()
+    kept = abandon.run(threading.Event(), functools.partial(generate_beams, model, PROMPTS, **settings))
+    np.testing.assert_array_equal(kept.tokens, whole.tokens)
+
+
 def test_a_predict_call_whose_requests_all_timed_out_is_abandoned(model):
     """The server's predict batcher: a call whose one request timed out (its client had a 504)
     stops decoding within a step or two, and the worker takes the next call, which runs whole."""

@@ -21,9 +21,10 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import io_callback
 
 from core.errors import UserError
-from core.generation import penalties
+from core.generation import abandon, penalties
 from core.generation.timestamps import Timestamps
 from core.generation.timestamps import rules as timestamp_rules
 
@@ -56,13 +57,16 @@ def beam_search(
     word_reward: float = 0.0,
     early_stopping: bool = False,
     timestamps: Timestamps | None = None,
+    ticket: jax.Array | None = None,
 ) -> Beams:
     """The `beam_size` best continuations of each row, from `state` and the `logits` [B, V] for
     its first new token. A beam ends at its first stop token; beams still alive after
     `max_new_tokens` come after every ended one, filling the places that no ended beam took.
     With `early_stopping` (Whisper's and CTranslate2's search) a row's output is its first W
     ended beams; without, the search goes on while a live beam could still outscore one. With
-    `timestamps`, every beam keeps to Whisper's timestamp rules (`core.generation.timestamps`)."""
+    `timestamps`, every beam keeps to Whisper's timestamp rules (`core.generation.timestamps`).
+    The search ends at the first step after the host abandons `ticket` (`core.generation.abandon`;
+    its beams are then never read)."""
     B, V = logits.shape
     W, M, alpha = beam_size, max_new_tokens, length_penalty
     if not 2 * W <= V:
@@ -82,6 +86,7 @@ def beam_search(
         word_reward=word_reward,
         early_stopping=early_stopping,
         timestamps=timestamps,
+        ticket=ticket,
     )
     carry = search.start(state, logits)
     index, (alive_tokens, alive_scores), finished, _, _ = jax.lax.while_loop(search.running, search.body, carry)
@@ -118,6 +123,7 @@ class _Search:
     word_reward: float
     early_stopping: bool
     timestamps: Timestamps | None
+    ticket: jax.Array | None = None
 
     def start(self, state, logits):
         """The carry after the first new token, from the prompt's `state` and `logits` [B, V]."""
@@ -134,7 +140,11 @@ class _Search:
         index, alive, finished, last, state = carry
         logits, state = self.step(state, last)
         alive, finished, parents, last = self.select(index, logits, alive, finished)
-        return index + 1, alive, finished, last, _reorder(state, parents)
+        index = index + 1
+        if self.ticket is not None:  # abandoned: the loop's condition fails at once
+            gone = io_callback(abandon.asked, jax.ShapeDtypeStruct((), jnp.bool_), self.ticket, ordered=True)
+            index = jnp.where(gone, self.max_new_tokens, index)
+        return index, alive, finished, last, _reorder(state, parents)
 
     def running(self, carry):
         M, alpha = self.max_new_tokens, self.alpha

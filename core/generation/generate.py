@@ -160,14 +160,15 @@ def generate_beams(model: Model, prompts: Sequence[Sequence[int]], *, width: int
     settings = beam_settings(**beam)
     tokens, lengths = prepare_prompts(model, prompts, settings.max_new_tokens, width)
     graphdef, params = nnx.split(model)
-    return Beams(*(np.asarray(x) for x in _beam_program(graphdef, settings, params, tokens, lengths)))
+    outputs = _beam_program(graphdef, settings, params, tokens, lengths, abandon.current())
+    return Beams(*(np.asarray(x) for x in outputs))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), compiler_options=COMPILER_OPTIONS)
-def _beam_program(graphdef, settings, params, tokens, lengths):
+def _beam_program(graphdef, settings, params, tokens, lengths, ticket):
     model = nnx.merge(graphdef, params)
     logits, cache = prefill(model, tokens, lengths, tokens.shape[1] + settings.max_new_tokens)
-    return beam_search(functools.partial(extend, model), cache, logits, **settings._asdict())
+    return beam_search(functools.partial(extend, model), cache, logits, **settings._asdict(), ticket=ticket)
 
 
 def prepare_prompts(

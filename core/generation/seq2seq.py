@@ -133,15 +133,16 @@ def generate_beams_from_source(
     settings = beam_settings(**beam)
     inputs, mask = prepare_sources(model, sources, settings.max_new_tokens, width, len(start.prompt))
     graphdef, params = nnx.split(model)
-    return Beams(*(np.asarray(x) for x in _source_beam_program(graphdef, settings, start, params, inputs, mask)))
+    outputs = _source_beam_program(graphdef, settings, start, params, inputs, mask, abandon.current())
+    return Beams(*(np.asarray(x) for x in outputs))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), compiler_options=COMPILER_OPTIONS)
-def _source_beam_program(graphdef, settings, start, params, inputs, mask):
+def _source_beam_program(graphdef, settings, start, params, inputs, mask, ticket):
     model = nnx.merge(graphdef, params)
     logits, state, probe = encode_prefill(model, inputs, mask, start, settings.max_new_tokens)
     step = functools.partial(encoder_decoder_step, model, suppress=start.suppress)
-    return *beam_search(step, state, logits, **settings._asdict())[:3], probe
+    return *beam_search(step, state, logits, **settings._asdict(), ticket=ticket)[:3], probe
 
 
 def prepare_sources(
