@@ -377,6 +377,16 @@ def test_embeddings_are_the_models_mean_pooled_states_alone_or_batched(server, t
         assert response.status_code == status and response.json()["error"]["param"] == param, response.text
 
 
+def test_the_embeddings_benchmark_counts_what_the_server_embedded(server, monkeypatch):
+    from core.serving import embedding_load as embed_bench
+
+    url, _ = server
+    monkeypatch.setattr(embed_bench, "TEXTS", ("the cat", "a b c d"))  # the tiny model reads 128 positions
+    figures = embed_bench.run_embeddings(f"{url}/v1", "tiny.gguf", clients=2, per_request=3, seconds=1.0, api_key=KEY)
+    assert figures["requests"] >= 2 and figures["texts/s"] == pytest.approx(figures["requests"] * 3)
+    assert 0 < figures["p50 latency"] < 1
+
+
 def test_a_stop_sequence_and_seeded_sampling(server):
     url, _ = server
     whole = client(url).completions.create(model="tiny.gguf", prompt="a b c", max_tokens=10, temperature=0).choices[0]

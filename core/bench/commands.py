@@ -5,6 +5,7 @@ apps bench train                       # the core's train step (small and big de
 apps bench decode [--model NAME]       # greedy decoding, random weights or a pretrained decoder
 apps bench finetune --model NAME       # a pretrained decoder's fine-tuning step
 apps bench serve [--model NAME]        # apps serve under concurrent clients
+apps bench embed [--model NAME]        # apps serve's embeddings: texts per second
 """
 
 from __future__ import annotations
@@ -122,3 +123,21 @@ def bench_serve(
         model, workdir, counts, terminal.console(), list(against or []), seconds, slots, context, fixed_lengths, dtype
     )
     terminal.save_figures("serve", figures, json_path)
+
+
+@app.command("embed")
+@user_errors
+def bench_embed(
+    model: ModelOpt = None,
+    workdir: Annotated[
+        Optional[Path], typer.Option("--workdir", "-w", metavar="DIR", help="A trained run that embeds, not --model.")
+    ] = None,
+    seconds: Annotated[float, typer.Option(metavar="S", help="Seconds of each load.")] = 20.0,
+    json_path: JsonOpt = None,
+) -> None:
+    """`apps serve`'s /v1/embeddings at batch 1 and 32, and 32 clients.
+
+    SmolLM2 by default; --workdir a sentiment, protein or lm run."""
+    from core.serving import embedding_load as embeddings
+
+    terminal.save_figures("embed", embeddings.main(model, workdir, terminal.console(), seconds), json_path)

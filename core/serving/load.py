@@ -44,7 +44,7 @@ from core.errors import UserError
 from core.predict import check_dtype
 
 MAX_TOKENS = (16, 48, 96, 128)
-_STORY = (
+STORY = (
     "The harbour town woke slowly. Fishing boats came back with the tide, gulls followed them in, "
     "and the baker on the corner opened his shutters to the smell of bread and salt. "
 )
@@ -52,8 +52,8 @@ PROMPTS = (
     "Write a haiku about rain.",
     "Explain in two sentences why the sky is blue.",
     "List three uses of a paperclip.",
-    f"Summarize this story in one sentence: {_STORY * 2}",
-    f"Continue this story: {_STORY * 6}",
+    f"Summarize this story in one sentence: {STORY * 2}",
+    f"Continue this story: {STORY * 6}",
     "What is the capital of France, and what river runs through it?",
 )
 SECONDS = 60.0
@@ -187,7 +187,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class _Server:
+class Server:
     """`apps serve SOURCE --max-batch N` in a subprocess, for the length of a `with`; SOURCE is
     `--model NAME` or `--workdir DIR`."""
 
@@ -266,7 +266,7 @@ def main(
     )
     # Each target: its label and what gives its base URL for the length of its runs.
     targets = [
-        (f"apps serve, {batch} slot{'s' * (batch > 1)}", _Server(source, batch, context, dtype)) for batch in (slots, 1)
+        (f"apps serve, {batch} slot{'s' * (batch > 1)}", Server(source, batch, context, dtype)) for batch in (slots, 1)
     ]
     targets += [(url, contextlib.nullcontext(url.rstrip("/"))) for url in against]
     for label, server in targets:
