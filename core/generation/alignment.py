@@ -47,18 +47,20 @@ def _program(graphdef, heads, vocabulary, params, inputs, mask, tokens):
     layers = sorted({layer for layer, _ in heads})
     for layer in layers:
         model.decoder.blocks[layer].cross_attention.record = True
-    memory, memory_mask = model.encode(inputs, mask)
-    B, T = tokens.shape
-    cache = model.decoder.init_cache(B, T, memory.dtype, model.decoder.project_memory(memory, memory_mask))
-    x, token_mask = model.target_embedder(tokens, jnp.ones((B, T), bool))
-    hidden, _ = model.decoder.prefill(x, token_mask, cache)
-    source = model.source(memory, memory_mask, inputs)
-    logits = model.outputs(hidden, token_mask, source).logits()[..., :vocabulary].astype(jnp.float32)
-    log_probs = jax.nn.log_softmax(logits, axis=-1)
-    following = jnp.take_along_axis(log_probs[:, :-1], jnp.minimum(tokens[:, 1:, None], vocabulary - 1), axis=-1)[
-        ..., 0
-    ]
-    recorded = nnx.pop(model, nnx.Intermediate)
+
+    def forward(model):
+        memory, memory_mask = model.encode(inputs, mask)
+        B, T = tokens.shape
+        cache = model.decoder.init_cache(B, T, memory.dtype, model.decoder.project_memory(memory, memory_mask))
+        x, token_mask = model.target_embedder(tokens, jnp.ones((B, T), bool))
+        hidden, _ = model.decoder.prefill(x, token_mask, cache)
+        source = model.source(memory, memory_mask, inputs)
+        logits = model.outputs(hidden, token_mask, source).logits()[..., :vocabulary].astype(jnp.float32)
+        log_probs = jax.nn.log_softmax(logits, axis=-1)
+        chosen = jnp.minimum(tokens[:, 1:, None], vocabulary - 1)
+        return jnp.take_along_axis(log_probs[:, :-1], chosen, axis=-1)[..., 0]
+
+    following, recorded = nnx.capture(forward, nnx.Intermediate)(model)
     picked = []
     for layer, head in heads:
         probabilities = recorded["decoder"]["blocks"][layer]["cross_attention"]["probabilities"].get_value()[0]
