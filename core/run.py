@@ -113,9 +113,9 @@ def _train(task, workdir: Path, console: Console) -> dict[str, float]:
     estimate = memory.check(task, featurizer, config)
     console.print(f"{task.name}: {estimate.describe()}.")
     # A heap that never shrinks fragments past the machine under a large run (core/training/host.py).
-    large = estimate.where == "host" and estimate.available and estimate.needed > estimate.available / 4
+    large = estimate.where == "host" and estimate.available and estimate.needed > estimate.available / 8
     if large and host.give_back_freed_memory():
-        console.print(f"{task.name}: over a quarter of the host's memory: freed memory goes back to the system.")
+        console.print(f"{task.name}: over an eighth of the host's memory: freed memory goes back to the system.")
     if jax.process_index() == 0 and not config_path.exists():
         write_json(workdir / DATA_RECORD, data_record(task.data))
         write_json(config_path, config.to_dict())
