@@ -28,6 +28,10 @@ JsonOpt = Annotated[Optional[Path], typer.Option("--json", metavar="FILE", help=
 ModelOpt = Annotated[
     Optional[str], typer.Option(metavar="NAME", help="A pretrained decoder: a shipped name or a .gguf file.")
 ]
+ServedRunOpt = Annotated[
+    Optional[Path],
+    typer.Option("--workdir", "-w", metavar="DIR", help="A trained run served instead of --model (serve: an lm run)."),
+]
 DtypeOpt = Annotated[
     str, typer.Option(metavar="DTYPE", help="Weights of generation: float32, or bfloat16 (faster products).")
 ]
@@ -94,9 +98,7 @@ def bench_finetune(
 @user_errors
 def bench_serve(
     model: ModelOpt = None,
-    workdir: Annotated[
-        Optional[Path], typer.Option("--workdir", "-w", metavar="DIR", help="A trained lm run, not --model.")
-    ] = None,
+    workdir: ServedRunOpt = None,
     clients: Annotated[str, typer.Option(metavar="N,N,...", help="Concurrent client counts.")] = "1,4,16,64",
     seconds: Annotated[float, typer.Option(metavar="S", help="Seconds of load per client count.")] = 60.0,
     slots: Annotated[int, typer.Option(metavar="N", help="Slots of the batched server (--max-batch).")] = 16,
@@ -129,9 +131,7 @@ def bench_serve(
 @user_errors
 def bench_embed(
     model: ModelOpt = None,
-    workdir: Annotated[
-        Optional[Path], typer.Option("--workdir", "-w", metavar="DIR", help="A trained run that embeds, not --model.")
-    ] = None,
+    workdir: ServedRunOpt = None,
     seconds: Annotated[float, typer.Option(metavar="S", help="Seconds of each load.")] = 20.0,
     json_path: JsonOpt = None,
 ) -> None:
