@@ -38,6 +38,7 @@ from core.errors import UserError
 from core.generation import penalties
 from core.generation.detokenize import TextStream
 from core.model.heads import Projection, TiedOutput, TokenEmbedder
+from core.model.states import last_states
 from core.options import PredictOption, PredictOptionError
 from core.presets import modern_blocks, tiny_preset
 from core.run import Predictor
@@ -115,12 +116,6 @@ def gemma3() -> Config:
     some 15 minutes; it evaluates 2 rows at a time (8 rows of 512 x 262,144 float32 logits are
     4.3 GB a copy)."""
     return fine_tuned("gemma3-270m", "gemma3", steps=60, eval_batch_size=2)
-
-
-@nnx.jit
-def _last_states(model, ids, mask):
-    """The body's last states [B, T, D] of ids [B, T]: compiled once per width, whatever the call."""
-    return model.body(*model.embedder(ids, mask))
 
 
 @final
@@ -283,7 +278,7 @@ class LMTask(Task):
             ids = np.zeros((1, width), np.int32)
             ids[0, : len(prompt)] = prompt
             mask = (np.arange(width) < len(prompt))[None, :]
-            hidden = np.asarray(_last_states(model, jnp.asarray(ids), jnp.asarray(mask)))
+            hidden = last_states(model, ids, mask, 1)
             found.append(hidden[0, : len(prompt)].astype(np.float32))
         return found if per_position else [h.mean(0) for h in found]
 

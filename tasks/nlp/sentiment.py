@@ -226,8 +226,9 @@ class SentimentTask(SequenceClassification):
         """Each text's mean embedding [D] of the body's last states over its tokens (cut at
         `max_len`), as sentence-transformers pools MiniLM; or those states [L, D] with `per_position`."""
         ids, mask = featurizer.tokenizer.encode([e["text"] for e in examples], featurizer.max_len)
-        states = last_states(model, ids, mask.astype(bool), self.config.train.eval_batch_size)
-        tokens = [row[kept.astype(bool)] for row, kept in zip(states, mask)]
+        mask = mask.astype(bool)
+        states = last_states(model, ids, mask, self.config.train.eval_batch_size)
+        tokens = [row[kept] for row, kept in zip(states, mask)]
         return tokens if per_position else [t.mean(0) for t in tokens]
 
     def render(
