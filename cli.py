@@ -14,9 +14,9 @@ from typing import Annotated, Optional
 import typer
 
 from core import terminal
-from core.bench import commands as bench_commands
 from core.errors import UserError
 from core.terminal import user_errors
+from tasks import benches as task_benches
 
 app = typer.Typer(
     help="JAX/Flax Transformer pipelines for real domain problems.",
@@ -348,43 +348,31 @@ def report(
     typer.echo(f"Curves drawn in {result['picture']}.")
 
 
-# apps bench: the core's benchmarks (core.bench.commands), and the tasks' own below.
-bench = bench_commands.app
-app.add_typer(bench, name="bench")
+# apps bench: the core's benchmarks (core.bench.commands) and the tasks' own (tasks/benches.py).
+app.add_typer(task_benches.app, name="bench")
 
 
-@bench.command("transcribe")
+@app.command("export")
 @user_errors
-def bench_transcribe(
-    model: Annotated[Optional[str], typer.Option(metavar="NAME", help="whisper-tiny.en or whisper-base.")] = None,
-    json_path: bench_commands.JsonOpt = None,
+def export_command(
+    workdir: Annotated[Path, typer.Option("--workdir", "-w", metavar="DIR", help="The trained run to export.")],
+    form: Annotated[str, typer.Option("--format", metavar="FORMAT", help="hf (a Hugging Face folder) or gguf.")],
+    out: Annotated[Path, typer.Option("--out", "-o", metavar="PATH", help="The folder or file to write.")],
+    dtype: Annotated[
+        str, typer.Option(metavar="DTYPE", help="float32, bfloat16 or float16; gguf also q8_0.")
+    ] = "float32",
+    force: Annotated[bool, typer.Option("--force", help="Replace what stands at --out.")] = False,
 ) -> None:
-    """Whisper's real-time factor on short and long clips."""
-    if model is None:
-        raise UserError("apps bench transcribe needs --model (whisper-tiny.en, whisper-base).")
-    from tasks.speech import bench as speech_bench
+    """Write a fine-tuned decoder run as a Hugging Face folder or a GGUF file (LoRA folded in)."""
+    from core import export, loading
 
-    terminal.save_figures("transcribe", speech_bench.transcription(model, terminal.console()), json_path)
-
-
-@bench.command("translate")
-@user_errors
-def bench_translate(json_path: bench_commands.JsonOpt = None) -> None:
-    """translate's presets: training tokens/s and decoding examples/s."""
-    _bench_seq2seq("translate", json_path)
-
-
-@bench.command("summarize")
-@user_errors
-def bench_summarize(json_path: bench_commands.JsonOpt = None) -> None:
-    """summarize's presets: training tokens/s and decoding examples/s."""
-    _bench_seq2seq("summarize", json_path)
-
-
-def _bench_seq2seq(task: str, json_path: Path | None) -> None:
-    from tasks.nlp import bench as nlp_bench
-
-    terminal.save_figures(task, nlp_bench.seq2seq(_task(task), terminal.console()), json_path)
+    exported = export.export(_task(loading.run_task(workdir)), workdir, form, out, dtype=dtype, force=force)
+    size = sum(exported.files.values()) / 1e6
+    folded = f", {exported.adapters} LoRA layers folded in" if exported.adapters else ""
+    typer.echo(
+        f"Wrote {exported.path} ({exported.format}, {exported.dtype}, {size:,.1f} MB: {', '.join(exported.files)}) "
+        f"from {workdir}, fine-tuned from {exported.source}{folded}."
+    )
 
 
 def _task(name: str) -> type:

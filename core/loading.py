@@ -101,6 +101,17 @@ def recorded_data(workdir: Path, check: bool = True) -> str | None:
     return data
 
 
+def run_task(workdir: str | Path) -> str:
+    """The name of the task whose run `workdir` holds (its config.json's "task")."""
+    path = checked_workdir(workdir) / "config.json"
+    if not path.is_file():
+        raise UserError(f"{workdir} holds no trained run (no config.json): give the --workdir of one.")
+    raw = read_json(path, "restore it, or train again into a new --workdir.")
+    if not isinstance(raw, dict) or not isinstance(raw.get("task"), str):
+        raise UserError(f"{path} is not a run's configuration (it names no task).")
+    return raw["task"]
+
+
 def saved_config(path: Path, task_type: type) -> Config:
     """The run's config.json, or a message naming it when it is damaged or of another task."""
     remedy = "restore it, or train again into a new --workdir."

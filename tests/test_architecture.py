@@ -31,6 +31,7 @@ LAYERS = (
     (
         "core.run",
         "core.loading",
+        "core.export",
         "core.predict",
         "core.report",
         "core.seeds",

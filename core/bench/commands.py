@@ -1,5 +1,5 @@
 """`apps bench`, the core's part: one subcommand a benchmark, each with its own options, each
-calling one function (cli.py adds the tasks' own: translate, summarize, transcribe).
+calling one function (tasks/benches.py adds the tasks' own: translate, summarize, transcribe).
 
 apps bench train                       # the core's train step (small and big decoders)
 apps bench decode [--model NAME]       # greedy decoding, random weights or a pretrained decoder

@@ -87,6 +87,10 @@ class Architecture(abc.ABC):
         """A tensor as the core reads it, from the file's convention (llama's permuted rows)."""
         return value
 
+    def restore(self, name: str, value: np.ndarray, model: ModelConfig) -> np.ndarray:
+        """`adjust`'s inverse: a tensor in the file's convention, for a file written."""
+        return value
+
 
 ARCHITECTURES: dict[str, Architecture] = {}
 

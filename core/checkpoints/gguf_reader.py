@@ -35,8 +35,10 @@ class Tensor:
 
 
 class GGUFFile:
-    """`fields`: every metadata key's value (text, number, or a list of them); `tensors`: the
-    table, in the file's order. Raises ValueError on a file that is not GGUF or is cut short."""
+    """`fields`: every metadata key's value (text, number, or a list of them); `types`: each
+    key's value type and, for an array, its items' (GGUF's numbers, which a writer needs to
+    write the key back as it was); `tensors`: the table, in the file's order. Raises ValueError
+    on a file that is not GGUF or is cut short."""
 
     def __init__(self, path: Path):
         with open(path, "rb") as file:
@@ -48,9 +50,13 @@ class GGUFFile:
         if version < 2:
             raise ValueError(f"GGUF version {version} predates the 64-bit counts this reader reads")
         self.fields: dict[str, Any] = {}
+        self.types: dict[str, tuple[int, int | None]] = {}
         for _ in range(field_count):
             key = self._string()
-            self.fields[key] = self._value(self._unpack("<I")[0])
+            (kind,) = self._unpack("<I")
+            item = struct.unpack_from("<I", self._buffer, self._offset)[0] if kind == ARRAY else None
+            self.types[key] = (kind, item)
+            self.fields[key] = self._value(kind)
         table = [self._tensor_entry() for _ in range(tensor_count)]
         alignment = int(self.fields.get("general.alignment", DEFAULT_ALIGNMENT))
         start = -(-self._offset // alignment) * alignment

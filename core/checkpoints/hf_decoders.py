@@ -172,4 +172,49 @@ class HFDecoder(Family):
         return found
 
 
+def config_json(model: ModelConfig, model_type: str, vocab_size: int, special: dict[str, int]) -> dict[str, Any]:
+    """config.json of a decoder of `model_type` ("llama", "qwen2" or "gemma3_text") with
+    `model`'s architecture: `HFDecoder.checkpoint`'s inverse. `special`: the ids of bos_token,
+    eos_token and pad_token, where the tokenizer has them."""
+    architecture = next(name for name, (kind, _) in ARCHITECTURES.items() if kind == model_type)
+    config: dict[str, Any] = {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "vocab_size": vocab_size,
+        "hidden_size": model.d_model,
+        "num_hidden_layers": model.num_layers,
+        "num_attention_heads": model.num_heads,
+        "num_key_value_heads": model.key_value_heads,
+        "head_dim": model.head_dim,
+        "intermediate_size": model.mlp_dim,
+        "max_position_embeddings": model.max_len,
+        "rms_norm_eps": model.norm_epsilon,
+        "rope_theta": model.rope_base,
+        "tie_word_embeddings": True,
+        "attention_bias": False,
+        **{f"{key}_id": value for key, value in special.items()},
+    }
+    if model_type == "gemma3_text":
+        every = model.global_every
+        config.update(
+            hidden_activation="gelu_pytorch_tanh",
+            query_pre_attn_scalar=model.head_dim,
+            sliding_window=model.sliding_window or None,
+            rope_local_base_freq=model.rope_local_base or model.rope_base,
+            layer_types=[
+                "full_attention"
+                if not model.sliding_window or (every and (i + 1) % every == 0)
+                else "sliding_attention"
+                for i in range(model.num_layers)
+            ],
+            final_logit_softcapping=None,
+            attn_logit_softcapping=None,
+        )
+    else:
+        config.update(hidden_act="silu", mlp_bias=False)
+    if model_type == "qwen2":
+        config.update(attention_bias=True, use_sliding_window=False)
+    return config
+
+
 register(HFDecoder())

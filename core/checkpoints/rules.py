@@ -79,6 +79,35 @@ class Rule:
         return {name: part.T for name, part in zip(self.sources, np.split(value, edges, axis=-1))}
 
 
+def split_params(
+    params: Mapping[str, np.ndarray], rules: list[Rule], shapes: Mapping[str, tuple[int, ...]]
+) -> dict[str, np.ndarray]:
+    """The checkpoint tensors that `rules` make the parameters (by dotted path) of: `load`'s
+    inverse. `shapes` needs the rows of each fused source alone."""
+    tensors = {}
+    for rule in rules:
+        tensors.update(rule.split(np.asarray(params[rule.target]), shapes))
+    return tensors
+
+
+def fused_rows(rules: list[Rule], model) -> dict[str, tuple[int]]:
+    """The rows of each source that a decoder's fused parameters join (a `ModelConfig`'s query,
+    key and value projections; its gate and up projections), for `split_params` where no file
+    gives them."""
+    heads = (
+        model.num_heads * model.head_dim,
+        model.key_value_heads * model.head_dim,
+        model.key_value_heads * model.head_dim,
+    )
+    parts = {"qkv": heads, "up": (model.mlp_dim, model.mlp_dim)}
+    return {
+        name: (rows,)
+        for rule in rules
+        if rule.kind == "fuse"
+        for name, rows in zip(rule.sources, parts[rule.target.split(".")[-2]])
+    }
+
+
 @dataclass(frozen=True)
 class Report:
     """What `load` did: parameters filled, parameters left as initialized (the checkpoint has
