@@ -34,7 +34,7 @@ import numpy as np
 from core.checkpoints import gguf_files, gguf_writer, hf_decoders, hf_writer, pretrained
 from core.checkpoints.rules import flat_params, fused_rows, split_params
 from core.errors import UserError
-from core.loading import Loaded, checked_workdir, load
+from core.loading import Loaded, checked_workdir, load, run_config
 from core.model import lora
 
 FORMATS = {"hf": "a Hugging Face folder", "gguf": "a GGUF file"}
@@ -64,6 +64,7 @@ def export(
     (hf_writer if format == "hf" else gguf_writer).check_dtype(dtype)
     workdir, out = checked_workdir(workdir), Path(out)
     _check_out(out, workdir, force)
+    _decoder_source(task_type.name, str(workdir), run_config(task_type, workdir).model.pretrained)
     return written(load(task_type, workdir), str(workdir), format, out, dtype)
 
 
@@ -99,15 +100,15 @@ def _decoder_source(task: str, workdir: str, source: str | None) -> pretrained.C
     """The pretrained decoder the run started from; other runs have no format to go to yet."""
     if source is None:
         raise UserError(
-            f"{workdir} is a {task} run trained from scratch (its own tokenizer and architecture); "
+            f"{workdir}: its {task} run was trained from scratch (its own tokenizer and architecture); "
             "apps export writes runs that fine-tuned a pretrained decoder: lm with --preset smollm2 or gemma3 (or "
             "--set model.pretrained=...), and translate or summarize with a decoder preset."
         )
     checkpoint = pretrained.read_checkpoint(source)
     if not pretrained.families()[checkpoint.reader].decodes:
         raise UserError(
-            f"{workdir} is a {task} run from the {checkpoint.reader} checkpoint {source}; apps export writes runs "
-            "that fine-tuned a pretrained decoder (SmolLM2, Gemma 3, or a Llama, Qwen2 or Gemma 3 folder)."
+            f"{workdir}: its {task} run started from the {checkpoint.reader} checkpoint {source}; apps export "
+            "writes runs that fine-tuned a pretrained decoder (SmolLM2, Gemma 3, or a Llama, Qwen2 or Gemma 3 folder)."
         )
     return checkpoint
 

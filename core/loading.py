@@ -126,16 +126,21 @@ def saved_config(path: Path, task_type: type) -> Config:
         raise UserError(f"{path} is not a run's configuration ({error}): {remedy}") from None
 
 
-def load(task_type: type, workdir: str | Path, data: str | None = None) -> Loaded:
-    """The trained run in `workdir` (best checkpoint), ready to evaluate or predict."""
-    workdir = checked_workdir(workdir)
+def run_config(task_type: type, workdir: Path) -> Config:
+    """The configuration of the `task_type` run in `workdir`."""
     config_path = workdir / "config.json"
     if not config_path.exists():
         raise UserError(
             f"{workdir} holds no trained run (no config.json): train one with "
             f"`apps train {task_type.name} --workdir {workdir}`."
         )
-    config = saved_config(config_path, task_type)
+    return saved_config(config_path, task_type)
+
+
+def load(task_type: type, workdir: str | Path, data: str | None = None) -> Loaded:
+    """The trained run in `workdir` (best checkpoint), ready to evaluate or predict."""
+    workdir = checked_workdir(workdir)
+    config = run_config(task_type, workdir)
     task = task_type(config=config, data=data if data is not None else recorded_data(workdir))
     featurizer = load_featurizer(task, workdir / "featurizer")
     # A LoRA run's checkpoints hold its adapters and head: the body comes from the pretrained checkpoint.

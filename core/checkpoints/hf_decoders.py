@@ -15,6 +15,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from core.checkpoints.pretrained import Checkpoint, Family, folder_config, register
 from core.checkpoints.rules import Rule
 from core.config import ModelConfig
@@ -188,7 +190,7 @@ def config_json(model: ModelConfig, model_type: str, vocab_size: int, special: d
         "head_dim": model.head_dim,
         "intermediate_size": model.mlp_dim,
         "max_position_embeddings": model.max_len,
-        "rms_norm_eps": model.norm_epsilon,
+        "rms_norm_eps": float(str(np.float32(model.norm_epsilon))),  # the shortest float32 text: 1e-05
         "rope_theta": model.rope_base,
         "tie_word_embeddings": True,
         "attention_bias": False,
