@@ -356,14 +356,17 @@ app.add_typer(task_benches.app, name="bench")
 @user_errors
 def export_command(
     workdir: Annotated[Path, typer.Option("--workdir", "-w", metavar="DIR", help="The trained run to export.")],
-    form: Annotated[str, typer.Option("--format", metavar="FORMAT", help="hf (a Hugging Face folder) or gguf.")],
+    form: Annotated[
+        str, typer.Option("--format", metavar="FORMAT", help="hf (a Hugging Face folder), gguf or ct2 (CTranslate2).")
+    ],
     out: Annotated[Path, typer.Option("--out", "-o", metavar="PATH", help="The folder or file to write.")],
     dtype: Annotated[
-        str, typer.Option(metavar="DTYPE", help="float32, bfloat16 or float16; gguf also q8_0.")
+        str,
+        typer.Option(metavar="DTYPE", help="float32, bfloat16 or float16 (hf), q8_0 (gguf); ct2: float32, float16."),
     ] = "float32",
     force: Annotated[bool, typer.Option("--force", help="Replace what stands at --out.")] = False,
 ) -> None:
-    """Write a fine-tuned decoder run as a Hugging Face folder or a GGUF file (LoRA folded in)."""
+    """Write a fine-tuned run for other tools: a decoder as hf or gguf (LoRA folded in), Whisper as ct2."""
     from core import export, loading
 
     exported = export.export(_task(loading.run_task(workdir)), workdir, form, out, dtype=dtype, force=force)

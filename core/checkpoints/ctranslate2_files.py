@@ -19,6 +19,7 @@ The converter stores a variable that equals an alphabetically earlier one only o
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -46,6 +47,7 @@ class Checkpoint:
     revision: int
     version: int
     variables: dict[str, np.ndarray]
+    aliases: dict[str, str] = dataclasses.field(default_factory=dict)  # alias -> the variable it names
 
 
 class _Cursor:
@@ -109,6 +111,7 @@ def read(path_or_paths: str | Path | Sequence[str | Path]) -> Checkpoint:
         )
     spec, revision = ("", 1) if version < 2 else (cursor.string("the spec name"), cursor.number("I", "the revision"))
     variables: dict[str, np.ndarray] = {}
+    aliases: dict[str, str] = {}
     for _ in range(cursor.number("I", "the number of variables")):
         name = cursor.string("a variable name")
         shape = tuple(cursor.number("I", f"a dimension of {name}") for _ in range(cursor.number("B", "a rank")))
@@ -134,8 +137,37 @@ def read(path_or_paths: str | Path | Sequence[str | Path]) -> Checkpoint:
         alias, target = cursor.string("an alias"), cursor.string("an alias target")
         if target not in variables:
             cursor.fail(f"alias {alias} names {target}, which the file does not hold")
-        variables[alias] = variables[target]
+        variables[alias], aliases[alias] = variables[target], target
         for suffix in ("_scale", "_zero"):  # quantization scales follow their weight (`Model::load`)
             if target + suffix in variables:
                 variables[alias + suffix] = variables[target + suffix]
-    return Checkpoint(spec=spec, revision=revision, version=version, variables=variables)
+    return Checkpoint(spec=spec, revision=revision, version=version, variables=variables, aliases=aliases)
+
+
+def write(path: Path, model: Checkpoint) -> None:
+    """`model` as a model.bin of the latest binary version: its variables (an alias's stored
+    once, under its target), then its aliases. Arrays keep their dtype (float32, float16,
+    int8, int16, int32; bfloat16 has no numpy type and is not written)."""
+
+    def string(text: str) -> bytes:
+        raw = text.encode() + b"\0"
+        return struct.pack("<H", len(raw)) + raw
+
+    with open(path, "wb") as file:
+        file.write(struct.pack("<I", LATEST_VERSION) + string(model.spec) + struct.pack("<I", model.revision))
+        stored = {name: value for name, value in model.variables.items() if name not in model.aliases}
+        stored = {name: value for name, value in stored.items() if not _aliased_scale(name, model.aliases)}
+        file.write(struct.pack("<I", len(stored)))
+        for name, value in stored.items():
+            array = np.asarray(value, np.dtype(value.dtype).newbyteorder("<")).copy(order="C")  # 0-d stays 0-d
+            code = DTYPES.index(array.dtype.name)
+            file.write(string(name) + struct.pack(f"<B{array.ndim}I", array.ndim, *array.shape))
+            file.write(struct.pack("<BI", code, array.nbytes) + array.tobytes())
+        file.write(struct.pack("<I", len(model.aliases)))
+        for alias, target in model.aliases.items():
+            file.write(string(alias) + string(target))
+
+
+def _aliased_scale(name: str, aliases: dict[str, str]) -> bool:
+    """Whether `name` is an alias's quantization scale, which `read` adds and the alias implies."""
+    return any(name == alias + suffix for alias in aliases for suffix in ("_scale", "_zero"))

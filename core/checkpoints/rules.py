@@ -80,13 +80,23 @@ class Rule:
 
 
 def split_params(
-    params: Mapping[str, np.ndarray], rules: list[Rule], shapes: Mapping[str, tuple[int, ...]]
+    params: Mapping[str, np.ndarray],
+    rules: list[Rule],
+    shapes: Mapping[str, tuple[int, ...]],
+    base: Mapping[str, np.ndarray] | None = None,
 ) -> dict[str, np.ndarray]:
     """The checkpoint tensors that `rules` make the parameters (by dotted path) of: `load`'s
-    inverse. `shapes` needs the rows of each fused source alone."""
+    inverse. `shapes` needs the rows of each fused source alone. A table that a parameter holds
+    some rows of (a position table read from `offset`, or cut to a run's length) is written
+    whole: `base`'s tensor with those rows replaced, where `base` is given."""
     tensors = {}
     for rule in rules:
-        tensors.update(rule.split(np.asarray(params[rule.target]), shapes))
+        parts = rule.split(np.asarray(params[rule.target]), shapes)
+        if rule.kind == "rows" and base is not None:
+            table = np.array(base[rule.sources[0]], parts[rule.sources[0]].dtype)
+            table[rule.offset : rule.offset + len(parts[rule.sources[0]])] = parts[rule.sources[0]]
+            parts = {rule.sources[0]: table}
+        tensors.update(parts)
     return tensors
 
 
