@@ -14,6 +14,7 @@ import pytest
 from helpers import apps, plain, pretrained_decoder
 from test_hf_decoders import FIXTURES as HF_FIXTURES
 from test_hf_decoders import folder as hf_fixture
+from test_pretrained import model_of
 from test_whisper import installed
 from tiny_gguf import CHATML, write_tiny_gguf
 
@@ -21,10 +22,13 @@ from core import export, run
 from core.checkpoints import gguf_files, pretrained, whisper
 from core.checkpoints.rules import flat_params
 from core.errors import UserError
-from core.loading import load_pretrained
+from core.generation import generate
+from core.loading import Loaded, load_pretrained, make_config
 from core.model import lora
+from core.training.steps import build_model, make_steps
 from tasks.common.tokenizer import PretrainedTokenizer
 from tasks.nlp.lm import LMTask
+from tasks.nlp.sentiment import SentimentTask
 from tasks.speech.asr import SpeechTask
 
 REFERENCE = "tests/fixtures/export/reference.npz"
@@ -61,10 +65,8 @@ def logits(model, ids) -> np.ndarray:
 
 
 def greedy(model, ids, count: int) -> list[int]:
-    ids = list(ids)
-    for _ in range(count):
-        ids.append(int(np.argmax(logits(model, ids)[-1])))
-    return ids[-count:]
+    """`count` greedy tokens after `ids`, no stop token (as the references decode)."""
+    return generate.generate(model, [ids], max_new_tokens=count).tokens[0, :count].tolist()
 
 
 def same_parameters(model, params: dict) -> None:
@@ -237,3 +239,57 @@ def test_a_whisper_checkpoint_exports_to_its_own_bytes_and_a_changed_one_reads_b
         np.testing.assert_array_equal(value, expected[path], err_msg=path)
     with pytest.raises(UserError, match="--format gguf: a whisper run leaves as ct2"):
         export.written(loaded, name, "gguf", tmp_path / "x.gguf", "float32")
+
+
+SENTIMENT_TEXTS = [
+    "Lovely fabric, fits well",
+    "The zipper broke after two days and the seller never answered.",
+    "It is okay, nothing special, runs a bit small.",
+    "Absolutely love it! Wearing it every day.",
+    "Terrible quality, returned it immediately.",
+]
+
+
+def sentiment_model() -> Loaded:
+    """The sentiment task's minilm preset as a run never trained: MiniLM's weights, a new classifier."""
+    config = make_config(SentimentTask, "minilm", ["model.dropout=0.0"])
+    task = SentimentTask(config=config)
+    featurizer = task.fit_featurizer([])
+    model = build_model(task, featurizer, config, from_pretrained=True)
+    steps = make_steps(task, model, config, config.train.steps, training=False)
+    return Loaded(task, featurizer, steps, steps.state["params"], "minilm")
+
+
+def classifier_head(loaded):
+    """The sentiment model's classifier set from RandomState(0), as the reference's was."""
+    rng = np.random.RandomState(0)
+    kernel, bias = (rng.standard_normal(shape).astype(np.float32) for shape in ((384, 2), (2,)))
+    params = {**loaded.params, "head": {"linear": {"kernel": jnp.asarray(kernel), "bias": jnp.asarray(bias)}}}
+    return dataclasses.replace(loaded, params=params)
+
+
+def test_a_sentiment_run_leaves_as_the_sentence_transformers_pipeline_it_is(tmp_path):
+    """MiniLM under a classifier: the folder's encoder reads back as the run's, and
+    sentence-transformers computes the run's probabilities from it (tests/fixtures/export/
+    sentiment_reference.npz, made once by make_sentiment_reference.py there)."""
+    reference = np.load("tests/fixtures/export/sentiment_reference.npz")
+    loaded = classifier_head(sentiment_model())
+    export.written(loaded, "minilm", "hf", tmp_path / "out", "float32")
+    assert json.loads((tmp_path / "out" / "modules.json").read_text())[1]["path"] == "1_Pooling"
+    ids, mask = loaded.featurizer.tokenizer.encode(SENTIMENT_TEXTS, loaded.featurizer.max_len)
+    model = loaded.steps.model(loaded.params)
+    found = jax.nn.softmax(model({"inputs": jnp.asarray(ids), "mask": jnp.asarray(mask, bool)}), -1)
+    np.testing.assert_allclose(found, reference["probabilities"], atol=1e-5)
+    assert list(loaded.featurizer.classes) == reference["labels"].tolist()
+    # The encoder read back from the folder: the run's parameters, its position table whole.
+    config = pretrained.architecture(str(tmp_path / "out"), dropout=0.0)
+    back = model_of(config)
+    report = pretrained.load(back, str(tmp_path / "out"))
+    assert sorted(report.unused) == ["pooler.dense.bias", "pooler.dense.weight"]  # the source's, kept for AutoModel
+    ours, found = flat_params(model), flat_params(back)
+    for path in report.filled:
+        if path != "body.position_embedding.embedding":
+            np.testing.assert_array_equal(found[path], ours[path], err_msg=path)
+    table = np.asarray(back.body.position_embedding.embedding[...])
+    np.testing.assert_array_equal(table[:128], ours["body.position_embedding.embedding"])
+    assert table.shape == (512, 384)

@@ -14,7 +14,10 @@ What a run leaves as depends on the checkpoint it started from:
   own metadata (configuration, tokenizer, chat template) that llama.cpp and Ollama load, in
   float32, float16, bfloat16 or Q8_0 (core/export/decoders.py);
 - Whisper (a speech run): `ct2`, a CTranslate2 folder that faster-whisper loads, in float32 or
-  float16 (core/export/whisper.py).
+  float16 (core/export/whisper.py);
+- a BERT-family encoder (sentiment on MiniLM): `hf`, a Hugging Face folder of the encoder with
+  the run's labels that is also a sentence-transformers model of the run's whole pipeline (mean
+  pooling, the classifier), in float32, bfloat16 or float16 (core/export/encoders.py).
 
 The tensors come from the same weight tables that load a checkpoint (`core.checkpoints`), each
 rule inverted, so the exported files read back into the very parameters. The file or folder is
@@ -38,7 +41,7 @@ import numpy as np
 from core.checkpoints import gguf_writer, hf_writer, pretrained
 from core.checkpoints.rules import flat_params
 from core.errors import UserError
-from core.export import decoders, whisper
+from core.export import decoders, encoders, whisper
 from core.loading import Loaded, checked_workdir, load, run_config
 from core.model import lora
 
@@ -48,6 +51,7 @@ DTYPE_CHECKS = {"hf": hf_writer.check_dtype, "gguf": gguf_writer.check_dtype, "c
 WRITERS = {
     "decoder": {"hf": decoders.write_hf, "gguf": decoders.write_gguf},
     "whisper": {"ct2": whisper.write_ct2},
+    "bert": {"hf": encoders.write_hf},
 }
 
 
@@ -88,8 +92,9 @@ def written(loaded: Loaded, where: str, format: str, out: Path, dtype: str) -> E
     # The run's rows are its training length; the weights keep the checkpoint's whole context.
     architecture = dataclasses.replace(task.config.model, max_len=checkpoint.model.max_len)
     with _staged(out) as path:
-        WRITERS[kind][format](path, checkpoint, architecture, params, dtype)
-        files = {p.name: p.stat().st_size for p in ([path] if path.is_file() else sorted(path.iterdir()))}
+        WRITERS[kind][format](path, checkpoint, architecture, params, dtype, loaded.featurizer)
+        inside = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+        files = {str(p.relative_to(path.parent if path.is_file() else path)): p.stat().st_size for p in inside}
     return Exported(out, format, dtype, task.config.model.pretrained, adapters, files)
 
 

@@ -34,7 +34,7 @@ def tensors_of(params: dict[str, np.ndarray], rules: list[Rule], model: ModelCon
     return split_params(params, rules, fused_rows(rules, model))
 
 
-def write_hf(path: Path, checkpoint: Checkpoint, model: ModelConfig, params: dict, dtype: str) -> None:
+def write_hf(path: Path, checkpoint: Checkpoint, model: ModelConfig, params: dict, dtype: str, featurizer=None) -> None:
     model_type = HF_MODEL_TYPES.get(checkpoint.family, checkpoint.family)
     target = dataclasses.replace(checkpoint, family=model_type, model=model)
     rules = pretrained.families()[hf_decoders.HFDecoder.name].rules(target, set())
@@ -48,7 +48,9 @@ def write_hf(path: Path, checkpoint: Checkpoint, model: ModelConfig, params: dic
     hf_writer.write_tokenizer(path, tokenizer_json, tokenizer_config, model.max_len)
 
 
-def write_gguf(path: Path, checkpoint: Checkpoint, model: ModelConfig, params: dict, dtype: str) -> None:
+def write_gguf(
+    path: Path, checkpoint: Checkpoint, model: ModelConfig, params: dict, dtype: str, featurizer=None
+) -> None:
     if checkpoint.reader != gguf_files.FAMILY.name:
         raise UserError(
             f"A GGUF file takes its metadata and tokenizer from the GGUF the run started from; {checkpoint.weights} "

@@ -32,7 +32,9 @@ def check_dtype(dtype: str) -> None:
         raise UserError(f"--dtype {dtype}: a CTranslate2 folder holds {', '.join(DTYPES)} here.")
 
 
-def write_ct2(path: Path, checkpoint: Checkpoint, model: ModelConfig, params: dict, dtype: str) -> None:
+def write_ct2(
+    path: Path, checkpoint: Checkpoint, model: ModelConfig, params: dict, dtype: str, featurizer=None
+) -> None:
     check_dtype(dtype)
     family = pretrained.families()[checkpoint.reader]
     source = whisper_files.read(checkpoint.directory)
