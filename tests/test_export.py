@@ -18,6 +18,7 @@ from test_pretrained import model_of
 from test_whisper import installed
 from tiny_gguf import CHATML, write_tiny_gguf
 
+import tasks
 from core import export, run
 from core.checkpoints import gguf_files, pretrained, whisper
 from core.checkpoints.rules import flat_params
@@ -109,6 +110,10 @@ def test_the_float32_gguf_reads_back_as_the_run_with_its_metadata(lora_run, merg
     export.export(LMTask, lora_run, "gguf", tmp_path / "run.gguf")
     _, model, _ = pretrained_decoder(str(tmp_path / "run.gguf"))
     same_parameters(model, merged[0])  # the rotary rows permuted for llama.cpp and back
+    # Predicting (and so `apps serve --model run.gguf`) with the file answers as the run does.
+    options = {"max_new_tokens": 8}
+    from_file = tasks.pipeline("lm", model=str(tmp_path / "run.gguf")).predict(["the theme"], **options)
+    assert from_file == tasks.pipeline("lm", workdir=lora_run).predict(["the theme"], **options)
     written, source = gguf_files.reader(tmp_path / "run.gguf"), gguf_files.reader(tiny)
     assert written.fields["general.file_type"] == 0
     for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.chat_template", "llama.context_length"):
