@@ -355,27 +355,31 @@ app.add_typer(task_benches.app, name="bench")
 @app.command("export")
 @user_errors
 def export_command(
-    workdir: Annotated[Path, typer.Option("--workdir", "-w", metavar="DIR", help="The trained run to export.")],
-    form: Annotated[
-        str, typer.Option("--format", metavar="FORMAT", help="hf (a Hugging Face folder), gguf or ct2 (CTranslate2).")
-    ],
+    form: Annotated[str, typer.Option("--format", metavar="FORMAT", help="hf, gguf, ct2 or peft (LoRA adapters).")],
     out: Annotated[Path, typer.Option("--out", "-o", metavar="PATH", help="The folder or file to write.")],
+    workdir: Annotated[Optional[Path], typer.Option("--workdir", "-w", metavar="DIR", help="A trained run.")] = None,
+    model: Annotated[Optional[str], typer.Option(metavar="NAME", help="A pretrained checkpoint instead.")] = None,
     dtype: Annotated[
-        str,
-        typer.Option(metavar="DTYPE", help="float32, bfloat16 or float16 (hf), q8_0 (gguf); ct2: float32, float16."),
+        str, typer.Option(metavar="DTYPE", help="float32, bfloat16 or float16; q8_0 (gguf); ct2: float32, float16.")
     ] = "float32",
     force: Annotated[bool, typer.Option("--force", help="Replace what stands at --out.")] = False,
 ) -> None:
-    """Write a fine-tuned run for other tools: a decoder as hf or gguf (LoRA folded in), Whisper as ct2."""
+    """Write a fine-tuned run for other tools: a decoder as hf, gguf or peft, Whisper as ct2, MiniLM as hf."""
     from core import export, loading
 
-    exported = export.export(_task(loading.run_task(workdir)), workdir, form, out, dtype=dtype, force=force)
-    size = sum(exported.files.values()) / 1e6
+    if (workdir is None) == (model is None):
+        raise UserError("apps export writes a trained run (--workdir) or a pretrained checkpoint (--model): give one.")
+    if model is not None:
+        import tasks
+
+        exported = export.export_checkpoint(tasks.for_checkpoint(model), model, form, out, dtype=dtype, force=force)
+    else:
+        exported = export.export(_task(loading.run_task(workdir)), workdir, form, out, dtype=dtype, force=force)
+    size = sum(exported.files.values()) / 1e6  # shown to three digits: 540 MB, 0.0203 MB
     folded = f", {exported.adapters} LoRA layers folded in" if exported.adapters else ""
-    typer.echo(
-        f"Wrote {exported.path} ({exported.format}, {exported.dtype}, {size:,.1f} MB: {', '.join(exported.files)}) "
-        f"from {workdir}, fine-tuned from {exported.source}{folded}."
-    )
+    origin = f"{workdir}, fine-tuned from {exported.source}{folded}" if workdir else f"the checkpoint {model}"
+    files = f"{len(exported.files)} files" if len(exported.files) > 1 else "one file"
+    typer.echo(f"Wrote {exported.path} ({exported.format}, {exported.dtype}, {size:.3g} MB in {files}) from {origin}.")
 
 
 def _task(name: str) -> type:

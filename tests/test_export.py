@@ -199,7 +199,7 @@ def test_refusals_name_what_is_wrong(lora_run, tmp_path):
     scratch.mkdir()
     (scratch / "config.json").write_text(json.dumps(LMTask.presets["tiny"]().to_dict()))
     with pytest.raises(
-        UserError, match="its lm run was trained from scratch .* decoder runs as hf, gguf; whisper runs as ct2"
+        UserError, match="its lm run was trained from scratch .* decoder runs as hf, gguf, peft; whisper runs as ct2"
     ):
         export.export(LMTask, scratch, "hf", tmp_path / "x")
     assert not (tmp_path / "x").exists()
@@ -298,3 +298,27 @@ def test_a_sentiment_run_leaves_as_the_sentence_transformers_pipeline_it_is(tmp_
     table = np.asarray(back.body.position_embedding.embedding[...])
     np.testing.assert_array_equal(table[:128], ours["body.position_embedding.embedding"])
     assert table.shape == (512, 384)
+
+
+def test_peft_adapters_over_the_exported_base_make_the_merged_weights(lora_run, tiny, tmp_path):
+    """`--format peft`: PEFT adds B (A x) alpha / r to each projection of the base folder that
+    `apps export --model` writes; done by hand here, that is the merged export, tensor by tensor.
+    (PEFT 0.21.2 itself, once: its logits over the base equal the merged folder's to 8e-6.)"""
+    result = apps("export", "--model", tiny, "--format", "hf", "--out", tmp_path / "base")
+    assert result.exit_code == 0 and "from the checkpoint" in plain(result.output), result.output
+    export.export(LMTask, lora_run, "peft", tmp_path / "adapter")
+    export.export(LMTask, lora_run, "hf", tmp_path / "merged")
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["peft_type"]) == (2, 16.0, "LORA")
+    assert config["target_modules"] == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    base, merged = (pretrained.read_tensors(tmp_path / name / "model.safetensors") for name in ("base", "merged"))
+    adapter = pretrained.read_tensors(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert len(adapter) == 2 * 2 * 7  # two layers, seven projections, A and B
+    scale = config["lora_alpha"] / config["r"]
+    for name, weight in base.items():
+        stem = f"base_model.model.{name.removesuffix('.weight')}"
+        if f"{stem}.lora_A.weight" in adapter:
+            weight = weight + adapter[f"{stem}.lora_B.weight"] @ adapter[f"{stem}.lora_A.weight"] * scale
+        np.testing.assert_allclose(merged[name], weight, atol=1e-6, err_msg=name)
+    with pytest.raises(UserError, match="writes the adapters of a LoRA run .* this model has none"):
+        export.export_checkpoint(LMTask, str(tiny), "peft", tmp_path / "nothing")

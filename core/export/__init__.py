@@ -12,12 +12,16 @@ What a run leaves as depends on the checkpoint it started from:
   tokenizer_config.json with the chat template, generation_config.json) that transformers, vLLM
   and TGI load, in float32, bfloat16 or float16; or `gguf`, a GGUF file under the source GGUF's
   own metadata (configuration, tokenizer, chat template) that llama.cpp and Ollama load, in
-  float32, float16, bfloat16 or Q8_0 (core/export/decoders.py);
+  float32, float16, bfloat16 or Q8_0; or, for a LoRA run, `peft`: the adapters alone in PEFT's
+  layout (core/export/decoders.py);
 - Whisper (a speech run): `ct2`, a CTranslate2 folder that faster-whisper loads, in float32 or
   float16 (core/export/whisper.py);
 - a BERT-family encoder (sentiment on MiniLM): `hf`, a Hugging Face folder of the encoder with
   the run's labels that is also a sentence-transformers model of the run's whole pipeline (mean
   pooling, the classifier), in float32, bfloat16 or float16 (core/export/encoders.py).
+
+`export_checkpoint` writes a pretrained checkpoint as it is (a shipped GGUF as the Hugging Face
+folder that a run's PEFT adapters go on).
 
 The tensors come from the same weight tables that load a checkpoint (`core.checkpoints`), each
 rule inverted, so the exported files read back into the very parameters. The file or folder is
@@ -42,14 +46,24 @@ from core.checkpoints import gguf_writer, hf_writer, pretrained
 from core.checkpoints.rules import flat_params
 from core.errors import UserError
 from core.export import decoders, encoders, whisper
-from core.loading import Loaded, checked_workdir, load, run_config
+from core.loading import Loaded, checked_workdir, load, load_pretrained, run_config
 from core.model import lora
 
-FORMATS = {"hf": "a Hugging Face folder", "gguf": "a GGUF file", "ct2": "a CTranslate2 folder"}
-DTYPE_CHECKS = {"hf": hf_writer.check_dtype, "gguf": gguf_writer.check_dtype, "ct2": whisper.check_dtype}
+FORMATS = {
+    "hf": "a Hugging Face folder",
+    "gguf": "a GGUF file",
+    "ct2": "a CTranslate2 folder",
+    "peft": "a LoRA run's adapters alone, in PEFT's layout",
+}
+DTYPE_CHECKS = {
+    "hf": hf_writer.check_dtype,
+    "gguf": gguf_writer.check_dtype,
+    "ct2": whisper.check_dtype,
+    "peft": hf_writer.check_dtype,
+}
 # What the runs of each kind of source checkpoint leave as: format -> its writer.
 WRITERS = {
-    "decoder": {"hf": decoders.write_hf, "gguf": decoders.write_gguf},
+    "decoder": {"hf": decoders.write_hf, "gguf": decoders.write_gguf, "peft": decoders.write_peft},
     "whisper": {"ct2": whisper.write_ct2},
     "bert": {"hf": encoders.write_hf},
 }
@@ -72,14 +86,20 @@ def export(
     task_type: type, workdir: str | Path, format: str, out: str | Path, *, dtype: str = "float32", force: bool = False
 ) -> Exported:
     """The run in `workdir` (its best checkpoint) written to `out` in `format` (`FORMATS`)."""
-    if format not in FORMATS:
-        choices = ", ".join(f"{name} ({what})" for name, what in FORMATS.items())
-        raise UserError(f"--format {format}: expected one of {choices}.")
-    DTYPE_CHECKS[format](dtype)
     workdir, out = checked_workdir(workdir), Path(out)
-    _check_out(out, workdir, force)
+    _check_request(format, dtype, out, force, workdir)
     _source(task_type.name, str(workdir), run_config(task_type, workdir).model.pretrained, format)
     return written(load(task_type, workdir), str(workdir), format, out, dtype)
+
+
+def export_checkpoint(
+    task_type: type, name: str, format: str, out: str | Path, *, dtype: str = "float32", force: bool = False
+) -> Exported:
+    """The pretrained checkpoint `name` as it is, in `format`: a shipped GGUF as the Hugging Face
+    folder that a run's PEFT adapters go on, say, or as a float32 GGUF."""
+    out = Path(out)
+    _check_request(format, dtype, out, force)
+    return written(load_pretrained(task_type, name, whole_context=True), name, format, out, dtype)
 
 
 def written(loaded: Loaded, where: str, format: str, out: Path, dtype: str) -> Exported:
@@ -87,7 +107,7 @@ def written(loaded: Loaded, where: str, format: str, out: Path, dtype: str) -> E
     task = loaded.task
     checkpoint, kind = _source(task.name, where, task.config.model.pretrained, format)
     model = loaded.steps.model(loaded.params)
-    adapters = lora.merge(model)
+    adapters = 0 if format == "peft" else lora.merge(model)
     params = {path: np.asarray(value, np.float32) for path, value in flat_params(model).items()}
     # The run's rows are its training length; the weights keep the checkpoint's whole context.
     architecture = dataclasses.replace(task.config.model, max_len=checkpoint.model.max_len)
@@ -98,10 +118,15 @@ def written(loaded: Loaded, where: str, format: str, out: Path, dtype: str) -> E
     return Exported(out, format, dtype, task.config.model.pretrained, adapters, files)
 
 
-def _check_out(out: Path, workdir: Path, force: bool) -> None:
-    """Refuses an `out` that exists (without `force`), or that is or holds the run itself."""
+def _check_request(format: str, dtype: str, out: Path, force: bool, workdir: Path | None = None) -> None:
+    """Refuses an unknown format or dtype, an `out` that exists (without `force`), or that is or
+    holds the run itself."""
+    if format not in FORMATS:
+        choices = ", ".join(f"{name} ({what})" for name, what in FORMATS.items())
+        raise UserError(f"--format {format}: expected one of {choices}.")
+    DTYPE_CHECKS[format](dtype)
     resolved = out.resolve()
-    if resolved == workdir.resolve() or resolved in workdir.resolve().parents:
+    if workdir is not None and (resolved == workdir.resolve() or resolved in workdir.resolve().parents):
         raise UserError(f"--out {out} is or holds the run {workdir}: export elsewhere.")
     if out.exists() and not force:
         raise UserError(f"--out {out} exists: give --force to replace it, or choose another path.")

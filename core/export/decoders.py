@@ -48,6 +48,52 @@ def write_hf(path: Path, checkpoint: Checkpoint, model: ModelConfig, params: dic
     hf_writer.write_tokenizer(path, tokenizer_json, tokenizer_config, model.max_len)
 
 
+def write_peft(
+    path: Path, checkpoint: Checkpoint, model: ModelConfig, params: dict, dtype: str, featurizer=None
+) -> None:
+    """The LoRA adapters alone, in PEFT's layout over the Hugging Face folder of the source's
+    architecture: each fused projection's adapter becomes one per projection (the query, key
+    and value share A and split B's columns; the gate and up projections likewise), so that
+    PEFT's W x + B_q (A x) alpha / r is the run's update row for row."""
+    if not model.lora_rank:
+        raise UserError(
+            "--format peft writes the adapters of a LoRA run (model.lora_rank > 0); this model has none: "
+            "export hf or gguf."
+        )
+    model_type = HF_MODEL_TYPES.get(checkpoint.family, checkpoint.family)
+    target = dataclasses.replace(checkpoint, family=model_type, model=model)
+    rules = pretrained.families()[hf_decoders.HFDecoder.name].rules(target, set())
+    shapes = fused_rows(rules, model)
+    tensors, modules = {}, set()
+    for rule in rules:
+        layer = rule.target.removesuffix(".kernel")
+        if f"{layer}.lora_a" not in params:
+            continue
+        a, b = params[f"{layer}.lora_a"], params[f"{layer}.lora_b"]
+        for name, part in rule.split(b, shapes).items():  # B [r, out] -> each projection's [out_i, r]
+            stem = "base_model.model." + name.removesuffix(".weight")
+            tensors[f"{stem}.lora_A.weight"], tensors[f"{stem}.lora_B.weight"] = a.T, part
+            modules.add(name.removesuffix(".weight").rsplit(".", 1)[-1])
+    path.mkdir()
+    hf_writer.save_tensors(path / "adapter_model.safetensors", tensors, dtype)
+    hf_writer.write_json(
+        path / "adapter_config.json",
+        {
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "base_model_name_or_path": model.pretrained,
+            "r": model.lora_rank,
+            "lora_alpha": model.lora_alpha,
+            "lora_dropout": 0.0,
+            "target_modules": sorted(modules),
+            "bias": "none",
+            "fan_in_fan_out": False,
+            "use_rslora": False,
+            "inference_mode": True,
+        },
+    )
+
+
 def write_gguf(
     path: Path, checkpoint: Checkpoint, model: ModelConfig, params: dict, dtype: str, featurizer=None
 ) -> None:
