@@ -110,7 +110,9 @@ def _train(task, workdir: Path, console: Console) -> dict[str, float]:
     # The featurizer's barrier is the first collective; `fit` names the checkpoint to resume from.
     with sharding.lost_peers(lambda: f"Restart all {jax.process_count()} processes with the same command."):
         featurizer = _featurizer(task, train_examples, workdir)
-    estimate = memory.check(task, featurizer, config)
+    # A few rows as the train step sees them (augmented: SpecAugment's masks, negative samples) give its shapes.
+    sample = task.augment(task.featurize_train(featurizer, train_examples[:4]), np.random.default_rng(0), featurizer)
+    estimate = memory.check(task, featurizer, config, sample)
     console.print(f"{task.name}: {estimate.describe()}.")
     # A heap that never shrinks fragments past the machine under a large run (core/training/host.py).
     large = estimate.where == "host" and estimate.available and estimate.needed > estimate.available / 8

@@ -5,12 +5,12 @@ the device runs out anyway.
 parameter count is exact for every task and checkpoint family. Training holds per device:
 the float32 parameters, their gradients and AdamW's two moments (of the trained parameters
 alone under LoRA; a quarter of each with `train.fsdp=4`), a bfloat16 copy of the parameters
-when the compute or the products are in bfloat16, and the activations that backpropagation keeps. The last is
-an estimate: per position and layer, the block's inputs, normalized inputs, queries, keys,
-values, attention output and the MLP's hidden units (with `train.remat`, one vector per layer
-and one layer's worth recomputed), for `model.max_len` positions of each device's rows of a
-microbatch, plus the attention scores where XLA's attention materializes them (the blockwise
-kernel on CPU does not). Evaluation holds the parameters and the forward pass of one batch.
+when the compute or the products are in bfloat16, and what backpropagation keeps for the
+device's rows of a microbatch. That last part is not a formula per architecture: it is read
+off the traced program itself (`kept_for_backward`: the residuals of the loss's
+linearization, shapes alone), so every task's blocks, heads, attention kernel and losses count
+as they run. Against XLA's compiled train step (its arguments and temporaries) the total came
+within 0.78-1.08 on every task's presets here (SmolLM2 fine-tuning: 6.32 GB against 6.03 GB).
 
 A device on CPU is the host: the simulated devices of one process share its RAM, so their
 needs add up against the memory available there. `check` prints the figures in the run's
@@ -20,18 +20,20 @@ RESOURCE_EXHAUSTED, wherever it comes from, into one message with the figures an
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.extend.core import Literal
 
 from core.config import Config
 from core.errors import UserError
 from core.model import lora
-from core.model.transformer import Block
 
 GB = 1024**3
 
@@ -79,43 +81,73 @@ class Estimate:
 _last: Estimate | None = None
 
 
-def estimate(task, featurizer, config: Config, *, training: bool = True) -> Estimate:
-    """The figures of `task`'s model under `config` (see the module's text), for training or for
-    evaluation and decoding."""
+def estimate(task, featurizer, config: Config, sample: dict) -> Estimate:
+    """The figures of training `task`'s model under `config` (see the module's text); `sample`:
+    featurized training rows (`Task.featurize_train`), whose shapes (not values) give a batch's."""
     global _last
     abstract = nnx.eval_shape(lambda: task.model(featurizer, config, nnx.Rngs(0)))
     flat = nnx.to_pure_dict(nnx.state(abstract))
     parameters = _count(flat)
-    trained = _count(lora.split(flat, config.model, getattr(type(abstract), "transferred", ()))[0])
-    train, model = config.train, config.model
-    devices = jax.local_device_count()
+    trained = _count(lora.split(flat, config.model, type(abstract).transferred)[0])
+    train = config.train
     shard = max(train.fsdp, 1)
-    compute = 2 if train.compute_dtype == "bfloat16" else 4
     narrow = "bfloat16" in (train.compute_dtype, train.matmul_dtype)
     weights = parameters * 4 / shard + (parameters * 2 / shard if narrow else 0)
-    optimizer = trained * 4 * 3 / shard if training else 0.0
-    batch = train.batch_size // train.grad_accum if training else train.eval_batch_size
-    rows = max(1, -(-batch // jax.device_count()))
-    layers = sum(isinstance(module, Block) for _, module in nnx.iter_modules(abstract))
-    head = model.head_size or model.d_model // model.num_heads
-    width = model.num_heads * head
-    kv = (model.num_kv_heads or model.num_heads) * head
-    per_position = 4 * model.d_model + 2 * width + 2 * kv + 3 * model.mlp_dim
-    if model.attention == "xla" or (model.attention != "blockwise" and jax.default_backend() != "cpu"):
-        per_position += model.num_heads * model.max_len  # the score matrix, one row per position
-    positions = rows * model.max_len
-    if not training:
-        kept = per_position  # a forward pass keeps one layer's intermediates at a time
-    elif train.remat:
-        kept = layers * model.d_model + per_position
-    else:
-        kept = layers * per_position
-    activations = positions * kept * compute
+    optimizer = trained * 4 * 3 / shard
+    rows = max(1, -(-(train.batch_size // train.grad_accum) // jax.device_count()))
+    activations = kept_for_backward(task, featurizer, config, sample, rows)
     available, where = _available()
-    _last = Estimate(
-        parameters, trained, weights, optimizer, activations, available, devices if where == "host" else 1, where
-    )
+    devices = jax.local_device_count() if where == "host" else 1
+    _last = Estimate(parameters, trained, weights, optimizer, activations, available, devices, where)
     return _last
+
+
+def kept_for_backward(task, featurizer, config: Config, sample: dict, rows: int) -> int:
+    """Bytes of what backpropagation keeps for `rows` rows: the residuals of the loss's
+    linearization with respect to the trained parameters, read off the traced program (shapes
+    alone, nothing computed), less those that are the inputs themselves. Every task, attention
+    kernel and dropout counts as it runs; XLA's compiled step holds these beside the gradients
+    (tests/test_memory.py compares the two).
+
+    `train.remat` keeps one vector per block and recomputes a block's intermediates in the
+    backward pass: one block's share of the residuals beside the checkpoints. XLA on CPU does not
+    realize that saving (SmolLM2's compiled step: 4.52 GB of temporaries without remat, 4.17
+    with it), so there the residuals count as without remat."""
+    plain = _residuals(
+        task,
+        featurizer,
+        dataclasses.replace(config, train=dataclasses.replace(config.train, remat=False)),
+        sample,
+        rows,
+    )
+    if not config.train.remat or jax.default_backend() == "cpu":
+        return plain
+    return _residuals(task, featurizer, config, sample, rows) + plain // max(config.model.num_layers, 1)
+
+
+def _residuals(task, featurizer, config: Config, sample: dict, rows: int) -> int:
+    abstract = nnx.eval_shape(lambda: task.model(featurizer, config, nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    params, frozen = lora.split(nnx.to_pure_dict(state), config.model, type(abstract).transferred)
+    batch = {
+        key: jax.ShapeDtypeStruct((rows, *np.shape(value)[1:]), np.asarray(value).dtype)
+        for key, value in sample.items()
+    }
+    compute = config.train.compute_dtype
+
+    def loss(params, frozen, batch):
+        joined = lora.join(params, frozen)
+        if compute != "float32":
+            joined = jax.tree.map(lambda p: p.astype(compute) if jnp.issubdtype(p.dtype, jnp.floating) else p, joined)
+        return task.loss(nnx.merge(graphdef, joined)(batch, dropout_key=jax.random.key(0)), batch)[0]
+
+    traced, shapes = jax.make_jaxpr(
+        lambda params, frozen, batch: jax.vjp(lambda p: loss(p, frozen, batch), params), return_shape=True
+    )(params, frozen, batch)
+    outputs = traced.jaxpr.outvars[len(traced.jaxpr.outvars) - len(jax.tree.leaves(shapes[1])) :]
+    inputs = set(traced.jaxpr.invars)
+    kept = [var for var in outputs if not isinstance(var, Literal) and var not in inputs]
+    return sum(int(np.prod(var.aval.shape)) * var.aval.dtype.itemsize for var in kept)
 
 
 def _count(params) -> int:
@@ -138,9 +170,9 @@ def _available() -> tuple[float | None, str]:
         return (float(pages * os.sysconf("SC_PAGE_SIZE")) or None), "host"
 
 
-def check(task, featurizer, config: Config, *, training: bool = True) -> Estimate:
+def check(task, featurizer, config: Config, sample: dict) -> Estimate:
     """The estimate, refused with its figures when it cannot fit the device's memory."""
-    found = estimate(task, featurizer, config, training=training)
+    found = estimate(task, featurizer, config, sample)
     if found.available is not None and found.needed > found.available:
         raise UserError(
             f"This run cannot fit: {found.describe()}. To make it fit, {KNOBS}; or build a smaller model "
