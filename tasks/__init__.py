@@ -46,7 +46,9 @@ def for_checkpoint(name_or_path: str) -> type:
     """The task that serves a pretrained checkpoint as it is: a decoder's, lm; Whisper's, speech."""
     from core.checkpoints import pretrained
 
-    served = [*pretrained.decoders(), *(name for name, item in pretrained.SHIPPED.items() if item.family == "whisper")]
+    served = sorted(
+        [*pretrained.decoders(), *(name for name, item in pretrained.SHIPPED.items() if item.family == "whisper")]
+    )
     if name_or_path.lower() not in served and not Path(name_or_path).exists():
         raise UserError(
             f"--model {name_or_path}: not a checkpoint this server runs. Shipped: {', '.join(served)}; or the path "

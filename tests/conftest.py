@@ -66,6 +66,14 @@ def _release_compiled_programs():
     gc.collect()
 
 
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny Llama GGUF with SmolLM2's layout and ChatML template (tests/tiny_gguf.py), written once a module."""
+    from tiny_gguf import write_tiny_gguf
+
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+
+
 @pytest.fixture
 def apps_log(caplog, monkeypatch):
     """`caplog`, listening on the "apps" logger itself from INFO up.

@@ -21,11 +21,6 @@ from tasks.nlp.translate import TranslateTask
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
-
-
-@pytest.fixture(scope="module")
 def chat_tokenizer(tiny):
     return PretrainedTokenizer.from_checkpoint(str(tiny))  # ChatML, as SmolLM2-Instruct's
 

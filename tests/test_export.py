@@ -16,7 +16,7 @@ from test_hf_decoders import FIXTURES as HF_FIXTURES
 from test_hf_decoders import folder as hf_fixture
 from test_pretrained import model_of
 from test_whisper import installed
-from tiny_gguf import CHATML, write_tiny_gguf
+from tiny_gguf import CHATML
 
 import tasks
 from core import export, run
@@ -33,11 +33,6 @@ from tasks.nlp.sentiment import SentimentTask
 from tasks.speech.asr import SpeechTask
 
 REFERENCE = "tests/fixtures/export/reference.npz"
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
 
 
 @pytest.fixture(scope="module")

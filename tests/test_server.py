@@ -24,7 +24,6 @@ import pytest
 import soundfile
 from helpers import apps, plain
 from test_multiprocess import free_port
-from tiny_gguf import write_tiny_gguf
 
 import tasks
 from core import run
@@ -63,11 +62,6 @@ def serving(tmp: Path, *args: str, key: str | None = KEY) -> Iterator[tuple[subp
         if process.poll() is None:
             process.kill()
             process.wait()
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
 
 
 @pytest.fixture(scope="module")

@@ -54,11 +54,6 @@ NATIVE = (
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
-
-
-@pytest.fixture(scope="module")
 def tokenizer(tiny):
     return PretrainedTokenizer.from_checkpoint(str(tiny))
 

@@ -42,18 +42,19 @@ class Llama(gguf_files.Architecture):
         return {"mlp": "swiglu", "rope_base": float(key("rope.freq_base", 10_000.0))}
 
     def adjust(self, name: str, value: np.ndarray, model: ModelConfig) -> np.ndarray:
-        if name.endswith("attn_q.weight"):
-            return unpermute(value, model.num_heads)
-        if name.endswith("attn_k.weight"):
-            return unpermute(value, model.key_value_heads)
-        return value
+        return _rotary_rows(name, value, model, unpermute)
 
     def restore(self, name: str, value: np.ndarray, model: ModelConfig) -> np.ndarray:
-        if name.endswith("attn_q.weight"):
-            return permute(value, model.num_heads)
-        if name.endswith("attn_k.weight"):
-            return permute(value, model.key_value_heads)
-        return value
+        return _rotary_rows(name, value, model, permute)
+
+
+def _rotary_rows(name: str, value: np.ndarray, model: ModelConfig, reorder) -> np.ndarray:
+    """A query or key weight with its heads' rows reordered (`permute` or `unpermute`); any other tensor as it is."""
+    if name.endswith("attn_q.weight"):
+        return reorder(value, model.num_heads)
+    if name.endswith("attn_k.weight"):
+        return reorder(value, model.key_value_heads)
+    return value
 
 
 gguf_files.register_architecture(Llama())
