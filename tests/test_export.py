@@ -231,7 +231,8 @@ def test_a_whisper_checkpoint_exports_to_its_own_bytes_and_a_changed_one_reads_b
     source = pretrained.read_checkpoint(name).directory
     assert sorted(exported.files) == ["config.json", "model.bin", "tokenizer.json", "vocabulary.txt"]
     assert (tmp_path / "same" / "model.bin").read_bytes() == (source / "model.bin").read_bytes()
-    changed = jax.tree.map(lambda p: p + 0.01 * jnp.sign(p), loaded.params)
+    # Changed in numpy: eager jax.numpy would compile an add for every parameter shape (3 s).
+    changed = jax.tree.map(lambda p: np.asarray(p) + np.float32(0.01) * np.sign(np.asarray(p)), loaded.params)
     export.written(dataclasses.replace(loaded, params=changed), name, "ct2", tmp_path / "changed", "float32")
     model, _ = whisper.load(str(tmp_path / "changed"))
     expected = flat_params(loaded.steps.model(changed))
