@@ -53,8 +53,9 @@ def special_ids(tokenizer_json: str, config: Mapping[str, Any]) -> dict[str, int
     return {key: value for key, value in found.items() if value is not None}
 
 
-def write_tokenizer(folder: Path, tokenizer_json: str, config: Mapping[str, Any], max_len: int) -> None:
-    """tokenizer.json, tokenizer_config.json and generation_config.json of a generating model."""
+def write_tokenizer(folder: Path, tokenizer_json: str, config: Mapping[str, Any], max_len: int) -> dict[str, int]:
+    """tokenizer.json, tokenizer_config.json and generation_config.json of a generating model;
+    returns the special tokens' ids (`special_ids`), which config.json names too."""
     ids = special_ids(tokenizer_json, config)
     raw = json.loads(tokenizer_json)
     if config.get("add_bos_token") and "bos_token" in ids:
@@ -86,3 +87,4 @@ def write_tokenizer(folder: Path, tokenizer_json: str, config: Mapping[str, Any]
     if stops:
         generation["eos_token_id"] = stops[0] if len(stops) == 1 else stops
     write_json(folder / "generation_config.json", generation)
+    return ids

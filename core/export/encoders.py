@@ -23,9 +23,10 @@ import numpy as np
 
 from core.checkpoints import bert, hf_writer, pretrained
 from core.checkpoints.pretrained import Checkpoint
-from core.checkpoints.rules import fused_rows, split_params
+from core.checkpoints.rules import fused_rows
 from core.config import ModelConfig
 from core.errors import UserError
+from core.export.tensors import placed
 
 HEAD = ("head.linear.kernel", "head.linear.bias")
 # The source folder's files that describe the tokenizer, copied as they are.
@@ -35,17 +36,17 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "spec
 def write_hf(path: Path, checkpoint: Checkpoint, model: ModelConfig, params: dict, dtype: str, featurizer) -> None:
     classes = featurizer.classes  # the classifier's labels, in the order of its outputs
     rules = bert.rules(checkpoint)  # a bare encoder's names (BertModel's)
-    left = sorted({*params} - {rule.target for rule in rules} - set(HEAD))
-    if left or not set(HEAD) <= set(params) or not classes:
+    if not set(HEAD) <= set(params) or not classes:
         raise UserError(
             "A sentence-transformers folder holds an encoder and a linear classifier over its mean-pooled "
-            f"states; this run's model has {', '.join(left) or 'no such classifier'}."
+            "states; this run's model has no such classifier."
         )
     family = pretrained.families()[checkpoint.reader]
     source = family.tensors(checkpoint)
     prefix = bert.name_prefix(checkpoint, set(source))
     source = {name.removeprefix(prefix): value for name, value in source.items()}
-    tensors = split_params(params, rules, fused_rows(rules, model), base=source)
+    where = "A sentence-transformers folder (an encoder, mean pooling and a linear classifier)"
+    tensors = placed(params, rules, fused_rows(rules, model), where, base=source, beside=HEAD)
     # What the run has no use for (BERT's pooler) stays the source's, so that AutoModel loads whole.
     kept = {name: value for name, value in source.items() if name not in tensors and value.dtype.kind == "f"}
     path.mkdir()

@@ -18,10 +18,9 @@ from pathlib import Path
 from core.checkpoints import ctranslate2_files, pretrained
 from core.checkpoints import whisper as whisper_files
 from core.checkpoints.pretrained import Checkpoint
-from core.checkpoints.rules import split_params
 from core.config import ModelConfig
 from core.errors import UserError
-from core.model import lora
+from core.export.tensors import placed
 
 DTYPES = ("float32", "float16")
 PROJECTION = "decoder/projection/weight"
@@ -39,12 +38,8 @@ def write_ct2(
     family = pretrained.families()[checkpoint.reader]
     source = whisper_files.read(checkpoint.directory)
     rules = family.rules(checkpoint, set())
-    left = sorted({*params} - {rule.target for rule in rules})
-    left = [name for name in left if name.rsplit(".", 1)[-1] not in lora.ADAPTERS]
-    if left:
-        raise UserError(f"A CTranslate2 Whisper folder has no place for the run's parameters {', '.join(left)}.")
     tables = {rule.sources[0]: source.variables[rule.sources[0]] for rule in rules if rule.kind == "rows"}
-    tensors = split_params(params, rules, family.shapes(checkpoint), base=tables)
+    tensors = placed(params, rules, family.shapes(checkpoint), "A CTranslate2 Whisper folder", base=tables)
     variables = {**source.variables, **{name: value.astype(dtype) for name, value in tensors.items()}}
     if PROJECTION in variables and PROJECTION not in source.aliases:  # the output is the token table, tied
         variables[PROJECTION] = variables["decoder/embeddings/weight"]

@@ -124,15 +124,11 @@ def load(
     for a language model, given an engine whose weights are in `dtype`
     (`core.model.precision.narrowed`)."""
     from core import run
-    from core.training.checkpoints import read_json
+    from core.loading import run_task
 
     served = []
     for workdir in workdirs:
-        config = Path(workdir) / "config.json"
-        if not config.is_file():
-            raise UserError(f"{workdir} holds no trained run (no config.json).")
-        name = read_json(config, "train the run again into a new --workdir.").get("task")
-        predictor = run.Predictor(task_named(name), workdir)
+        predictor = run.Predictor(task_named(run_task(workdir)), workdir)
         served.append(Served(served_name(workdir=workdir), predictor, _engine(predictor, slots, context, queue, dtype)))
     for model in models:
         predictor = run.Predictor(task_for(model), model=model)

@@ -26,7 +26,6 @@ import re
 from dataclasses import dataclass
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.extend.core import Literal
@@ -34,6 +33,7 @@ from jax.extend.core import Literal
 from core.config import Config
 from core.errors import UserError
 from core.model import lora
+from core.training.steps import cast_for_compute
 
 GB = 1024**3
 
@@ -85,7 +85,7 @@ def estimate(task, featurizer, config: Config, sample: dict) -> Estimate:
     """The figures of training `task`'s model under `config` (see the module's text); `sample`:
     featurized training rows (`Task.featurize_train`), whose shapes (not values) give a batch's."""
     global _last
-    abstract = nnx.eval_shape(lambda: task.model(featurizer, config, nnx.Rngs(0)))
+    abstract = _abstract(task, featurizer, config)
     flat = nnx.to_pure_dict(nnx.state(abstract))
     parameters = _count(flat)
     trained = _count(lora.split(flat, config.model, type(abstract).transferred)[0])
@@ -95,51 +95,49 @@ def estimate(task, featurizer, config: Config, sample: dict) -> Estimate:
     weights = parameters * 4 / shard + (parameters * 2 / shard if narrow else 0)
     optimizer = trained * 4 * 3 / shard
     rows = max(1, -(-(train.batch_size // train.grad_accum) // jax.device_count()))
-    activations = kept_for_backward(task, featurizer, config, sample, rows)
+    activations = kept_for_backward(task, featurizer, config, abstract, sample, rows)
     available, where = _available()
     devices = jax.local_device_count() if where == "host" else 1
     _last = Estimate(parameters, trained, weights, optimizer, activations, available, devices, where)
     return _last
 
 
-def kept_for_backward(task, featurizer, config: Config, sample: dict, rows: int) -> int:
-    """Bytes of what backpropagation keeps for `rows` rows: the residuals of the loss's
-    linearization with respect to the trained parameters, read off the traced program (shapes
-    alone, nothing computed), less those that are the inputs themselves. Every task, attention
-    kernel and dropout counts as it runs; XLA's compiled step holds these beside the gradients
-    (tests/test_memory.py compares the two).
+def kept_for_backward(task, featurizer, config: Config, abstract: nnx.Module, sample: dict, rows: int) -> int:
+    """Bytes of what backpropagation keeps for `rows` rows of the model `abstract` (`task`'s
+    under `config`, built abstractly): the residuals of the loss's linearization with respect
+    to the trained parameters, read off the traced program (shapes alone, nothing computed),
+    less those that are the inputs themselves. Every task, attention kernel and dropout counts
+    as it runs; XLA's compiled step holds these beside the gradients (tests/test_memory.py
+    compares the two).
 
     `train.remat` keeps one vector per block and recomputes a block's intermediates in the
     backward pass: one block's share of the residuals beside the checkpoints. XLA on CPU does not
     realize that saving (SmolLM2's compiled step: 4.52 GB of temporaries without remat, 4.17
     with it), so there the residuals count as without remat."""
-    plain = _residuals(
-        task,
-        featurizer,
-        dataclasses.replace(config, train=dataclasses.replace(config.train, remat=False)),
-        sample,
-        rows,
-    )
-    if not config.train.remat or jax.default_backend() == "cpu":
+    if not config.train.remat:
+        return _residuals(task, config, abstract, sample, rows)
+    plain_config = dataclasses.replace(config, train=dataclasses.replace(config.train, remat=False))
+    plain = _residuals(task, plain_config, _abstract(task, featurizer, plain_config), sample, rows)
+    if jax.default_backend() == "cpu":
         return plain
-    return _residuals(task, featurizer, config, sample, rows) + plain // max(config.model.num_layers, 1)
+    return _residuals(task, config, abstract, sample, rows) + plain // max(config.model.num_layers, 1)
 
 
-def _residuals(task, featurizer, config: Config, sample: dict, rows: int) -> int:
-    abstract = nnx.eval_shape(lambda: task.model(featurizer, config, nnx.Rngs(0)))
+def _abstract(task, featurizer, config: Config) -> nnx.Module:
+    return nnx.eval_shape(lambda: task.model(featurizer, config, nnx.Rngs(0)))
+
+
+def _residuals(task, config: Config, abstract: nnx.Module, sample: dict, rows: int) -> int:
     graphdef, state = nnx.split(abstract)
     params, frozen = lora.split(nnx.to_pure_dict(state), config.model, type(abstract).transferred)
     batch = {
         key: jax.ShapeDtypeStruct((rows, *np.shape(value)[1:]), np.asarray(value).dtype)
         for key, value in sample.items()
     }
-    compute = config.train.compute_dtype
 
     def loss(params, frozen, batch):
-        joined = lora.join(params, frozen)
-        if compute != "float32":
-            joined = jax.tree.map(lambda p: p.astype(compute) if jnp.issubdtype(p.dtype, jnp.floating) else p, joined)
-        return task.loss(nnx.merge(graphdef, joined)(batch, dropout_key=jax.random.key(0)), batch)[0]
+        model = nnx.merge(graphdef, cast_for_compute(lora.join(params, frozen), config.train.compute_dtype))
+        return task.loss(model(batch, dropout_key=jax.random.key(0)), batch)[0]
 
     traced, shapes = jax.make_jaxpr(
         lambda params, frozen, batch: jax.vjp(lambda p: loss(p, frozen, batch), params), return_shape=True
