@@ -19,6 +19,7 @@ from core.generation.seq2seq import (
     DecodeState,
     encode_prefill,
     encoder_decoder_step,
+    first_logits,
     generate_beams_from_source,
     generate_from_source,
     prepare_sources,
@@ -367,3 +368,30 @@ def test_rematerialized_stacks_give_the_same_gradients():
     assert len(re.findall(r"\b(?:remat\d*|checkpoint)\[", str(jaxpr))) == 4
     for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(rematerialized)):
         np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+@pytest.mark.parametrize("positions", ["learned", "rotary"])
+def test_earlier_tokens_before_the_prompt_decode_as_a_prompt_that_holds_them(positions):
+    """Rows with earlier tokens of their own (Whisper's prompt of earlier text; traced, so one
+    program serves them all) beside a row with none: each row's greedy and beam tokens equal a
+    decoding whose static prompt holds its earlier tokens, and its probe is read right after its
+    prompt's first token, where it begins (the first logits of a prompt that ends there)."""
+    model = encoder_decoder(positions=positions)
+    previous = [[11, 12, 13], [], [20]]
+    start = Start((BOS, 4), probe=9)
+    greedy = generate_from_source(model, SOURCES, max_new_tokens=6, start=start, previous=previous)
+    beams = generate_beams_from_source(model, SOURCES, beam_size=3, max_new_tokens=6, start=start, previous=previous)
+    for row, source in enumerate(SOURCES):
+        holding = Start((*previous[row], BOS, 4))
+        alone = generate_from_source(model, [source], max_new_tokens=6, start=holding)
+        np.testing.assert_array_equal(greedy.tokens[row], alone.tokens[0])
+        alone_beams = generate_beams_from_source(model, [source], beam_size=3, max_new_tokens=6, start=holding)
+        np.testing.assert_array_equal(beams.tokens[row], alone_beams.tokens[0])
+        np.testing.assert_allclose(beams.scores[row], alone_beams.scores[0], atol=1e-5)
+        after_start = first_logits(model, [source], start=Start((*previous[row], BOS)))[0]
+        assert greedy.probe[row] == pytest.approx(float(jax.nn.softmax(after_start)[9]), abs=1e-6)
+    without = generate_from_source(model, SOURCES, max_new_tokens=6, start=start)
+    assert not np.array_equal(without.tokens[0], greedy.tokens[0])  # the earlier tokens do change row 0
+    np.testing.assert_array_equal(without.tokens[1], greedy.tokens[1])
+    with pytest.raises(UserError, match="earlier tokens"):
+        generate_from_source(model, SOURCES[:1], max_new_tokens=6, start=start, previous=[[5] * 40])

@@ -276,3 +276,43 @@ def test_bfloat16_weights_decode_in_slots_as_the_narrowed_model_does_alone():
     narrow = nnx.merge(graphdef, narrowed(params, "bfloat16"))
     for i, (new, collector) in enumerate(zip(lengths, collectors)):
         assert collector.tokens == list(generate(narrow, [PROMPTS[i]], max_new_tokens=new).tokens[0])
+
+
+def adapted(base, seed: int, **lora):
+    """A LoRA run of `base`: its weights, and adapters of its own (B nonzero, so that they change
+    the tokens)."""
+    from flax import nnx
+
+    from core.checkpoints.rules import flat_params, set_params
+
+    model = language_model(pretrained="tiny", **lora)  # a name: the config asks adapters for one
+    set_params(model, flat_params(base))
+    rng = np.random.default_rng(seed)
+    for _, module in nnx.iter_modules(model):
+        if getattr(module, "lora_b", None) is not None:
+            module.lora_b[...] = rng.normal(0, 0.5, module.lora_b.shape).astype(np.float32)
+    return model
+
+
+def test_requests_through_different_adapters_in_one_step_give_each_adapter_alone():
+    """One engine over a base and two LoRA runs of it (ranks 4 and 2, different layers adapted):
+    requests to the base and to each adapter, side by side in its slots, give what each model
+    gives alone; the base is held once (the engine's kernels are the base's own arrays)."""
+    base = language_model()
+    first = adapted(base, 1, lora_rank=4)
+    second = adapted(base, 2, lora_rank=2, lora_alpha=4.0, lora_targets=("qkv", "down"))
+    models = [base, first, second]
+    engine = Engine(base, slots=4, adapters=[first, second])
+    jobs = [(0, PROMPTS[0]), (1, PROMPTS[1]), (2, PROMPTS[2]), (1, PROMPTS[3]), (2, PROMPTS[4]), (0, PROMPTS[1])]
+    collectors = [Collector() for _ in jobs]
+    requests = [Request(p, 6, c, adapter=a) for (a, p), c in zip(jobs, collectors)]
+    run_all(engine, requests, collectors)
+    for (adapter, prompt), collector in zip(jobs, collectors):
+        expected = generate(models[adapter], [prompt], max_new_tokens=6).tokens[0][:6]
+        assert collector.tokens == list(expected), adapter
+    alone = [generate(m, [PROMPTS[1]], max_new_tokens=6).tokens[0][:6] for m in models]
+    assert len({tuple(t) for t in alone}) == 3  # the adapters do change the tokens
+    pointer = base.body.blocks[0].attention.qkv.kernel[...].unsafe_buffer_pointer()
+    assert pointer in {leaf.unsafe_buffer_pointer() for leaf in jax.tree.leaves(engine.params)}
+    with pytest.raises(ValueError, match="adapter 3"):
+        engine.submit(Request([1], 1, Collector(), adapter=3))

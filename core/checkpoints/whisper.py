@@ -263,6 +263,7 @@ class Vocabulary:
     translate: int | None
     languages: dict[str, int]
     timestamp_begin: int  # <|0.00|>; every later id is a timestamp
+    previous: int | None  # <|startofprev|>: earlier text follows it, before the start (a prompt)
     suppress: tuple[int, ...]
     suppress_at_begin: tuple[int, ...]
 
@@ -329,6 +330,7 @@ def vocabulary(name_or_path: str) -> Vocabulary:
         translate=tokens.get("<|translate|>") if languages else None,
         languages=languages,
         timestamp_begin=need("<|notimestamps|>") + 1,  # <|0.00|>, which not every tokenizer.json lists
+        previous=tokens.get("<|startofprev|>"),
         suppress=tuple(config.get("suppress_ids", [])),
         suppress_at_begin=tuple(config.get("suppress_ids_begin", [])),
     )

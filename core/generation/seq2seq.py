@@ -4,8 +4,9 @@ Decoding (`generate_from_source`, `generate_beams_from_source`) runs core/genera
 and `beam_search` with this model's own decode step: `encode_prefill` encodes the sources once,
 projects every decoder layer's keys and values of the memory once into the cache (and, for a
 copying head, its view of the source into the state beside it) and runs the decoder's prompt
-(`Start`: a beginning-of-sequence token, or Whisper's four); `encoder_decoder_step` then runs
-one target token at a time.
+(`Start`: a beginning-of-sequence token, or Whisper's four), after each row's own earlier
+tokens where it has some (`Previous`: Whisper's prompt of earlier text, traced, so that rows with
+different ones share a program); `encoder_decoder_step` then runs one target token at a time.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from core.generation.sampling import Generation, OnTokens, beam_settings, sample
 from core.model.cache import Cache
 from core.model.encoder_decoder import EncoderDecoder, Start
 from core.model.heads import Source
+from core.training.data import bucket_width
 
 
 class DecodeState(NamedTuple):
@@ -37,27 +39,73 @@ class DecodeState(NamedTuple):
     source: Source | None
 
 
+class Previous(NamedTuple):
+    """Tokens that come before each row's prompt: ids [B, K], left-aligned, the first
+    `counts` [B] of each row real (0: none). Whisper's prompt of earlier text is its
+    <|startofprev|> token and that text's tokens."""
+
+    ids: jax.Array
+    counts: jax.Array
+
+
+def previous_rows(rows: Sequence[Sequence[int]] | None, cap: int) -> Previous | None:
+    """Each row's earlier tokens (`Previous`), padded to a bucketed width (one program per
+    width, `core.training.data.bucket_width`, at most `cap`); None where no row has any."""
+    if rows is None or not any(rows):
+        return None
+    if max(len(row) for row in rows) > cap:
+        raise UserError(f"A prompt of {max(len(row) for row in rows)} earlier tokens exceeds the {cap} allowed.")
+    ids = np.zeros((len(rows), bucket_width(max(len(row) for row in rows), cap)), np.int32)
+    for index, row in enumerate(rows):
+        ids[index, : len(row)] = row
+    return Previous(ids, np.array([len(row) for row in rows], np.int32))
+
+
+def _prompts(start: Start, previous: Previous | None, rows: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The decoder's first tokens [B, K + P] (each row's earlier ones, then `start`'s prompt,
+    then padding), their mask, and where each row's prompt begins [B]."""
+    prompt = jnp.asarray(start.prompt, jnp.int32)
+    if previous is None:
+        return (
+            jnp.broadcast_to(prompt, (rows, len(start.prompt))),
+            jnp.ones((rows, len(start.prompt)), bool),
+            jnp.zeros(rows, jnp.int32),
+        )
+    ids, counts = previous
+    at = jnp.arange(ids.shape[1] + len(start.prompt))[None, :]
+    within = jnp.clip(at - counts[:, None], 0, len(start.prompt) - 1)
+    padded = jnp.pad(ids, ((0, 0), (0, len(start.prompt))))
+    tokens = jnp.where(at < counts[:, None], padded, prompt[within])
+    return tokens, at < counts[:, None] + len(start.prompt), counts
+
+
 def encode_prefill(
-    model: EncoderDecoder, source_inputs: jax.Array, source_mask: jax.Array, start: Start, max_new_tokens: int
+    model: EncoderDecoder,
+    source_inputs: jax.Array,
+    source_mask: jax.Array,
+    start: Start,
+    max_new_tokens: int,
+    previous: Previous | None = None,
 ) -> tuple[jax.Array, DecodeState, jax.Array]:
     """Sources (front-end inputs [B, S, ...] and mask [B, S]) through the encoder once, every
-    decoder layer's keys and values of the memory into a new cache that holds the prompt and
-    `max_new_tokens`, then the prompt in one pass: -> (logits [B, V] for the first new token,
-    with `start`'s suppressions, the state, and the probed token's probability [B] (zeros
-    without a probe))."""
+    decoder layer's keys and values of the memory into a new cache that holds the prompt (after
+    each row's `previous` tokens) and `max_new_tokens`, then the prompt in one pass: -> (logits
+    [B, V] for the first new token, with `start`'s suppressions, the state, and the probed
+    token's probability [B] (zeros without a probe))."""
     memory, memory_mask = model.encode(source_inputs, source_mask)
     encoder = model.encoder.config
     if encoder.positions == "learned" and memory.shape[1] > encoder.max_len:
         raise UserError(f"Sources of {memory.shape[1]} positions exceed the encoder's max_len={encoder.max_len}.")
     B, P = memory.shape[0], len(start.prompt)
+    prompt, mask, begins = _prompts(start, previous, B)
     cache = model.decoder.init_cache(
-        B, P + max_new_tokens, memory.dtype, model.decoder.project_memory(memory, memory_mask)
+        B, prompt.shape[1] + max_new_tokens, memory.dtype, model.decoder.project_memory(memory, memory_mask)
     )
     source = model.source(memory, memory_mask, source_inputs)
-    prompt = jnp.broadcast_to(jnp.asarray(start.prompt, jnp.int32), (B, P))
-    x, mask = model.target_embedder(prompt, jnp.ones((B, P), bool))
+    x, mask = model.target_embedder(prompt, mask)
     hidden, cache = model.decoder.prefill(x, mask, cache)
-    ends = hidden[:, jnp.asarray([0, P - 1])]  # the prompt's first and last positions
+    # Each row's prompt's first and last positions.
+    ends = jnp.take_along_axis(hidden, jnp.stack([begins, begins + P - 1], axis=1)[:, :, None], axis=1)
     logits = model.outputs(ends, jnp.ones((B, 2), bool), source).logits().astype(jnp.float32)
     probe = jnp.zeros((B,)) if start.probe is None else jax.nn.softmax(logits[:, 0])[:, start.probe]
     first = suppressed(logits[:, 1], start.suppress + start.suppress_first)
@@ -90,23 +138,27 @@ def generate_from_source(
     seed: int | jax.Array = 0,
     on_tokens: OnTokens | None = None,
     width: int | None = None,
+    previous: Sequence[Sequence[int]] | None = None,
     **sampling,
 ) -> Generation:
     """Target tokens for each source (token ids, or an array [S, F] of features for the source
     front end; lengths may differ), after `start`'s prompt; the other settings as in
     `core.generation.generate.generate`. Compiled once per shape and settings: `width` pads the
-    sources to that many positions, so that batches of different lengths can share one program."""
+    sources to that many positions, so that batches of different lengths can share one program.
+    `previous`: each source's tokens before the prompt (`Previous`; empty: none)."""
     settings, key = sampling_and_key(seed, **sampling)
-    inputs, mask = prepare_sources(model, sources, settings.max_new_tokens, width, len(start.prompt))
+    before = _previous(model, previous, start, settings.max_new_tokens)
+    inputs, mask = prepare_sources(model, sources, settings.max_new_tokens, width, _prompt_width(start, before))
     graphdef, params = nnx.split(model)
-    outputs = _source_sample_program(graphdef, settings, start, on_tokens, params, inputs, mask, key, abandon.current())
+    ticket = abandon.current()
+    outputs = _source_sample_program(graphdef, settings, start, on_tokens, params, inputs, mask, key, ticket, before)
     return Generation(*(np.asarray(x) for x in outputs))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), compiler_options=COMPILER_OPTIONS)
-def _source_sample_program(graphdef, sampling, start, on_tokens, params, inputs, mask, key, ticket):
+def _source_sample_program(graphdef, sampling, start, on_tokens, params, inputs, mask, key, ticket, previous):
     model = nnx.merge(graphdef, params)
-    logits, state, probe = encode_prefill(model, inputs, mask, start, sampling.max_new_tokens)
+    logits, state, probe = encode_prefill(model, inputs, mask, start, sampling.max_new_tokens, previous)
     step = functools.partial(encoder_decoder_step, model, suppress=start.suppress)
     return *sample(step, state, logits, key, sampling, on_tokens, ticket), probe
 
@@ -125,24 +177,40 @@ def _first_logits_program(graphdef, start, params, inputs, mask):
 
 
 def generate_beams_from_source(
-    model: EncoderDecoder, sources: Sequence[Any], *, start: Start, width: int | None = None, **beam
+    model: EncoderDecoder,
+    sources: Sequence[Any],
+    *,
+    start: Start,
+    width: int | None = None,
+    previous: Sequence[Sequence[int]] | None = None,
+    **beam,
 ) -> Beams:
     """Beam search targets for each source (see `generate_from_source` and
     `core.generation.beam.beam_search`; `beam` as `core.generation.generate.generate_beams`'s):
     -> `Beams` of [B, W, max_new_tokens] tokens, best first, as numpy."""
     settings = beam_settings(**beam)
-    inputs, mask = prepare_sources(model, sources, settings.max_new_tokens, width, len(start.prompt))
+    before = _previous(model, previous, start, settings.max_new_tokens)
+    inputs, mask = prepare_sources(model, sources, settings.max_new_tokens, width, _prompt_width(start, before))
     graphdef, params = nnx.split(model)
-    outputs = _source_beam_program(graphdef, settings, start, params, inputs, mask, abandon.current())
+    outputs = _source_beam_program(graphdef, settings, start, params, inputs, mask, abandon.current(), before)
     return Beams(*(np.asarray(x) for x in outputs))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), compiler_options=COMPILER_OPTIONS)
-def _source_beam_program(graphdef, settings, start, params, inputs, mask, ticket):
+def _source_beam_program(graphdef, settings, start, params, inputs, mask, ticket, previous):
     model = nnx.merge(graphdef, params)
-    logits, state, probe = encode_prefill(model, inputs, mask, start, settings.max_new_tokens)
+    logits, state, probe = encode_prefill(model, inputs, mask, start, settings.max_new_tokens, previous)
     step = functools.partial(encoder_decoder_step, model, suppress=start.suppress)
     return *beam_search(step, state, logits, **settings._asdict(), ticket=ticket)[:3], probe
+
+
+def _previous(model: EncoderDecoder, rows, start: Start, max_new_tokens: int) -> Previous | None:
+    """`previous_rows` within the decoder's positions that the prompt and the new tokens leave."""
+    return previous_rows(rows, model.decoder.config.max_len - len(start.prompt) - max_new_tokens + 1)
+
+
+def _prompt_width(start: Start, previous: Previous | None) -> int:
+    return len(start.prompt) + (0 if previous is None else previous.ids.shape[1])
 
 
 def prepare_sources(

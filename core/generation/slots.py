@@ -11,6 +11,8 @@ request never holds short ones back, and the step's batch is as full as the load
 Each slot samples with its own settings, steered by its own logit bias and penalties, kept to
 its own grammar if it has one (`core.generation.grammar`: a request ends as soon as its grammar
 is complete), and may ask for its tokens' log-probabilities (`core.generation.slot_sampling`).
+An engine given LoRA runs of its model (`adapters`) decodes each slot through the adapter its
+request names (`core.model.lora.stacked`), the base weights held once.
 
 One engine thread owns the cache and runs every compiled call; callers submit from any thread
 and receive tokens through their request's `emit` callback, on the engine thread.
@@ -33,6 +35,7 @@ from flax import nnx
 from core.generation.generate import COMPILER_OPTIONS, logits_of
 from core.generation.grammar import Constraint
 from core.generation.slot_sampling import BIASED, HELD, Scores, Steering, bias_of, pick, scored, settings
+from core.model import lora
 from core.model.precision import narrowed
 from core.model.transformer import Model
 from core.training.data import bucket_width
@@ -61,6 +64,7 @@ class Request:
     frequency_penalty: float = 0.0  # subtracted once per time it was generated
     logit_bias: Mapping[int, float] = field(default_factory=dict)  # added to these ids' logits
     constraint: Constraint | None = None  # the grammar its tokens follow
+    adapter: int = 0  # which of the engine's adapters it decodes through (0: the base alone)
     submitted: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -76,11 +80,23 @@ class Engine:
     """The slots, their cache and the thread that decodes them (see the module's text)."""
 
     def __init__(
-        self, model: Model, *, slots: int, queue_size: int = 256, context: int | None = None, dtype: str = "float32"
+        self,
+        model: Model,
+        *,
+        slots: int,
+        queue_size: int = 256,
+        context: int | None = None,
+        dtype: str = "float32",
+        adapters: Sequence[Model] = (),
     ):
+        """`adapters`: LoRA runs of `model`'s weights, which requests name by number (1, 2, ...;
+        0 is `model` without adapters)."""
         config = model.body.config
         if not config.causal:
             raise ValueError("Continuous batching needs a causal (decoder-only) model.")
+        self.adapters = len(adapters)
+        if adapters:
+            model = lora.stacked(model, adapters)
         self.slots, self.context = slots, min(context or config.max_len, config.max_len)
         self.graphdef, params = nnx.split(model)
         # On one device, whatever mesh the run was loaded onto: the cache lives there too, placed
@@ -110,11 +126,15 @@ class Engine:
 
     # The compiled programs ------------------------------------------------------------------
 
-    def _prefill_into(self, params, cache, steering, tokens, length, slot, sampling, bias):
-        """Prompt tokens [1, W] (length real ones) into row `slot` of the cache, and the
-        request's `bias` (ids, values) into the slot's steering -> (its first token, its scores,
-        the cache, the steering)."""
-        model = nnx.merge(self.graphdef, params)
+    def _model(self, params, adapters):
+        """The model of a program whose rows decode through adapters [B] (with `adapters`)."""
+        return nnx.merge(self.graphdef, lora.per_row(params, adapters) if self.adapters else params)
+
+    def _prefill_into(self, params, cache, steering, tokens, length, slot, sampling, bias, adapter):
+        """Prompt tokens [1, W] (length real ones, through adapter [1]) into row `slot` of the
+        cache, and the request's `bias` (ids, values) into the slot's steering -> (its first
+        token, its scores, the cache, the steering)."""
+        model = self._model(params, adapter)
         row = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=0), cache)
         x, mask = model.embedder(tokens, jnp.arange(tokens.shape[1])[None, :] < length)
         hidden, row = model.body.prefill(x, mask, row)
@@ -127,23 +147,23 @@ class Engine:
         steering = steering._replace(counts=steering.counts.at[slot, token[0]].add(1))
         return token[0], jax.tree.map(lambda a: a[0], scores), cache, steering
 
-    def _decode_rows(self, rows, params, cache, steering, tokens, active, sampling):
+    def _decode_rows(self, rows, params, cache, steering, tokens, active, sampling, adapters):
         """`_decode_step` on the cache's first `rows` rows alone (every argument after the
         steering is of those rows): a step costs what its rows cost, so a few active slots in
         the lowest rows (where `_admit` puts requests) step at the price of a few. (The steering
         is read and counted in place, by row: only the cache's rows are copied out and back.)"""
         if rows == self.slots:
-            return self._decode_step(params, cache, steering, tokens, active, sampling)
+            return self._decode_step(params, cache, steering, tokens, active, sampling, adapters)
         part = jax.tree.map(lambda a: a[:rows], cache)
-        tokens, scores, part, steering = self._decode_step(params, part, steering, tokens, active, sampling)
+        tokens, scores, part, steering = self._decode_step(params, part, steering, tokens, active, sampling, adapters)
         cache = jax.tree.map(lambda a, p: jax.lax.dynamic_update_slice_in_dim(a, p, 0, axis=0), cache, part)
         return tokens, scores, cache, steering
 
-    def _decode_step(self, params, cache, steering, tokens, active, sampling):
-        """One token for every slot [S] -> (the next token of each, their log-probabilities
-        where wanted, the cache, the steering with the new tokens counted); an idle slot
-        computes at position 0, so its row never runs past the context."""
-        model = nnx.merge(self.graphdef, params)
+    def _decode_step(self, params, cache, steering, tokens, active, sampling, adapters):
+        """One token for every slot [S] (each through its adapter) -> (the next token of each,
+        their log-probabilities where wanted, the cache, the steering with the new tokens
+        counted); an idle slot computes at position 0, so its row never runs past the context."""
+        model = self._model(params, adapters)
         cache = cache._replace(lengths=jnp.where(active, cache.lengths, 0))
         x, _ = model.embedder(tokens[:, None], jnp.ones((tokens.shape[0], 1), bool))
         hidden, cache = model.body.extend(x, cache)
@@ -194,6 +214,8 @@ class Engine:
             raise ValueError(f"logit_bias names at most {BIASED} tokens; the request names {len(request.logit_bias)}")
         if any(not 0 <= i < self.vocab_size for i in request.logit_bias):
             raise ValueError(f"logit_bias names a token outside the vocabulary's {self.vocab_size} ids")
+        if not 0 <= request.adapter <= self.adapters:
+            raise ValueError(f"adapter {request.adapter}: this engine holds {self.adapters}")
         if len(request.prompt) + request.max_new > self.context:
             raise ValueError(
                 f"{len(request.prompt)} prompt tokens and {request.max_new} new ones exceed the {self.context} "
@@ -204,8 +226,16 @@ class Engine:
         except queue.Full:
             raise QueueFull from None
 
-    def busy(self) -> int:
-        return sum(request is not None for request in self.active)
+    def busy(self, adapter: int | None = None) -> int:
+        """Slots in use (by requests through `adapter`, if given)."""
+        return sum(r is not None and adapter in (None, r.adapter) for r in self.active)
+
+    def queued(self, adapter: int | None = None) -> int:
+        """Requests waiting for a slot (through `adapter`, if given)."""
+        if adapter is None:
+            return self.waiting.qsize()
+        with self.waiting.mutex:
+            return sum(r.adapter == adapter for r in self.waiting.queue)
 
     def _loop(self) -> None:
         while True:
@@ -271,6 +301,7 @@ class Engine:
             jnp.int32(slot),
             settings([request], [0], self.mask_words),
             bias_of(request),
+            np.array([request.adapter], np.int32),
         )
         self.prefills += 1
         return int(token), scored(request, *(np.asarray(a) for a in scores))
@@ -297,6 +328,7 @@ class Engine:
             self.last[:rows],
             active[:rows],
             settings(requests, self.counts[:rows], self.mask_words),
+            np.array([r.adapter for r in requests], np.int32),
         )
         self.steps += 1
         found = np.zeros(self.slots, np.int32)

@@ -8,13 +8,20 @@ optimizer's moments and the checkpoints hold it alone, a few MB), the frozen par
 the compiled steps beside it and never differentiated, so that no weight gradient of a frozen
 matrix is computed. `merge` folds the adapters into the weights (W + A B * alpha / r), for an
 export that any reader of the checkpoint's format loads.
+
+Served, several runs' adapters share one base (`stacked`): each adapted layer holds all of them,
+and each sequence of a batch takes its own (`per_row`), so requests to different adapters decode
+in one step over one copy of the base weights.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from flax.traverse_util import flatten_dict, unflatten_dict
 
@@ -57,3 +64,51 @@ def merge(model: nnx.Module) -> int:
             module.lora_b[...] = jnp.zeros_like(b)
             folded += 1
     return folded
+
+
+def stacked(base: nnx.Module, adapters: Sequence[nnx.Module]) -> nnx.Module:
+    """A copy of `base` over the same weights whose adapted layers hold the adapters of every
+    model in `adapters` (runs of `base`'s architecture), stacked: lora_a [N + 1, I, R] and lora_b
+    [N + 1, R, O] with each adapter's alpha / r folded into its B, row 0 zeros (the base alone),
+    R the largest rank (a smaller one padded with zeros, which add nothing); a layer that an
+    adapter leaves alone holds zeros for it. `base`'s own adapters, if any, are not kept."""
+    graphdef, state = nnx.split(base)
+    model = nnx.merge(graphdef, state)  # new modules over the same arrays: `base` is left as it is
+    found = [_adapters(m) for m in adapters]
+    paths = set().union(*found)
+    rank = max((a.shape[1] for f in found for a, _ in f.values()), default=0)
+    for path, module in nnx.iter_modules(model):
+        if path not in paths:
+            if getattr(module, "lora_a", None) is not None:
+                module.lora_a = module.lora_b = None
+            continue
+        inputs, outputs = module.kernel.shape
+        a = np.zeros((len(adapters) + 1, inputs, rank), np.float32)
+        b = np.zeros((len(adapters) + 1, rank, outputs), np.float32)
+        for index, adapted in enumerate(found, 1):
+            if path in adapted:
+                a_i, b_i = adapted[path]
+                a[index, :, : a_i.shape[1]], b[index, : b_i.shape[0]] = a_i, b_i
+        # A layer without adapters holds None there, which nnx takes as static: marked as data now.
+        module.lora_a, module.lora_b = nnx.data(nnx.Param(jnp.asarray(a))), nnx.data(nnx.Param(jnp.asarray(b)))
+        module.lora_scale = 1.0
+    return model
+
+
+def per_row(params: Any, ids: jax.Array) -> Any:
+    """A `stacked` model's parameters (an nnx state) with each adapter stack narrowed to the
+    adapters of a batch's rows, ids [B] (0: none): lora_a [B, I, R], lora_b [B, R, O]."""
+
+    def pick(path, leaf):
+        return leaf[ids] if any(getattr(key, "key", None) in ADAPTERS for key in path) else leaf
+
+    return jax.tree_util.tree_map_with_path(pick, params)
+
+
+def _adapters(model: nnx.Module) -> dict[tuple, tuple[np.ndarray, np.ndarray]]:
+    """Each adapted layer's (A, B * alpha / r) by its module path."""
+    return {
+        path: (np.asarray(module.lora_a[...]), np.asarray(module.lora_b[...]) * module.lora_scale)
+        for path, module in nnx.iter_modules(model)
+        if getattr(module, "lora_a", None) is not None
+    }

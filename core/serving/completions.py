@@ -112,6 +112,7 @@ class Completions:
                 frequency_penalty=body.frequency_penalty,
                 logit_bias=bias,
                 constraint=constraint() if constraint is not None else None,
+                adapter=served.adapter,
             )
             choices.append(choice)
         try:

@@ -85,8 +85,9 @@ def serve(
         queue=settings.queue,
         dtype=settings.dtype,
     )
+    warmed: dict[int, str] = {}  # engines compiled, by id: the name of the model that compiled each
     for item in served:
-        console.print(_warm_up(item, settings))
+        console.print(_warm_up(item, settings, warmed))
     server = server_lib.Server(
         served,
         api_key=settings.api_key,
@@ -113,16 +114,22 @@ def serve(
     uvicorn.Server(config).run()
 
 
-def _warm_up(item, settings: Settings) -> str:
-    """Compiles a served model's generation engine (if it has one) and says what it compiled."""
+def _warm_up(item, settings: Settings, warmed: dict[int, str]) -> str:
+    """Compiles a served model's generation engine (if it has one, and no model before it shared
+    it) and says what it compiled."""
     engine = item.engine
     if engine is None:
         return f"{item.name} ({item.task.name}): predictions batched up to {settings.max_batch} inputs."
+    role = f"LoRA adapter {item.adapter} of {engine.adapters}" if item.adapter else "the base weights"
+    if id(engine) in warmed:
+        return f"{item.name} ({item.task.name}): {role}, on {warmed[id(engine)]}'s engine."
+    warmed[id(engine)] = item.name
     timings = engine.warm_up()
     widths = ", ".join(str(w) for w in engine.widths())
     rows = ", ".join(str(n) for n in engine.row_counts())
+    shared = f" ({role}, the base's shared with {engine.adapters} LoRA adapters)" if engine.adapters else ""
     return (
         f"{item.name} ({item.task.name}): {settings.max_batch} slots of {engine.context} positions, "
-        f"{settings.dtype} weights; compiled the decode step over {rows} rows and prefills of width {widths} "
-        f"in {sum(timings.values()):.1f} s."
+        f"{settings.dtype} weights{shared}; compiled the decode step over {rows} rows and prefills of width "
+        f"{widths} in {sum(timings.values()):.1f} s."
     )

@@ -29,9 +29,11 @@ class Metrics:
         self.busy = Gauge("apps_busy_slots", "Generation slots in use", ["model"], registry=r)
         self.prefills = Gauge("apps_prefills", "Requests prefilled into a slot so far", ["model"], registry=r)
 
-    def watch(self, name: str, engine: Engine) -> None:
-        """Reads the generation engine of the language model `name`: its slots in use at each
-        scrape, its batch at each step."""
-        self.busy.labels(name).set_function(engine.busy)
+    def watch(self, name: str, engine: Engine, adapter: int = 0) -> None:
+        """Reads the generation engine of the language model `name` (its `adapter`, where LoRA
+        runs share the engine): its slots in use at each scrape; the engine's batch at each step
+        (under the name of its base, adapter 0, or of its first run)."""
+        self.busy.labels(name).set_function(lambda: engine.busy(adapter))
         self.prefills.labels(name).set_function(lambda: engine.prefills)
-        engine.on_step = self.slots.labels(name).observe
+        if engine.on_step is None:
+            engine.on_step = self.slots.labels(name).observe

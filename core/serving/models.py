@@ -34,6 +34,7 @@ class Served:
     batcher: Batcher | None = None
     embedder: Batcher | None = None  # its embeddings requests, batched as predict requests are
     vocabulary: Vocabulary | None = None  # a language model's tokens as its grammars read them
+    adapter: int = 0  # which of its engine's adapters it decodes through (`core.serving.adapters`)
 
     def __post_init__(self):
         if self.engine is not None and self.vocabulary is None:
@@ -63,7 +64,7 @@ class Served:
 
     def waiting(self) -> int:
         """Requests waiting for its predict worker or for a generation slot."""
-        return self.batcher.waiting() + (self.engine.waiting.qsize() if self.engine is not None else 0)
+        return self.batcher.waiting() + (self.engine.queued(self.adapter) if self.engine is not None else 0)
 
     def check_room(self, examples: list[dict], values: dict[str, Any]) -> None:
         """Each prompt of a decoder's predict request and its new tokens within the positions
@@ -122,18 +123,23 @@ def load(
     by `task_named`, the registry's lookup) and each pretrained checkpoint of `models` (served by
     the task `task_for` it: a decoder by the language-model task, Whisper by speech), loaded and,
     for a language model, given an engine whose weights are in `dtype`
-    (`core.model.precision.narrowed`)."""
+    (`core.model.precision.narrowed`), which LoRA runs of one base share (`core.serving.adapters`)."""
     from core import run
     from core.loading import run_task
+    from core.serving.adapters import grouped
 
+    loaded = [(served_name(workdir=w), run.Predictor(task_named(run_task(w)), w), None) for w in workdirs] + [
+        (served_name(model=m), run.Predictor(task_for(m), model=m), m) for m in models
+    ]
     served = []
-    for workdir in workdirs:
-        predictor = run.Predictor(task_named(run_task(workdir)), workdir)
-        served.append(Served(served_name(workdir=workdir), predictor, _engine(predictor, slots, context, queue, dtype)))
-    for model in models:
-        predictor = run.Predictor(task_for(model), model=model)
-        served.append(Served(served_name(model=model), predictor, _engine(predictor, slots, context, queue, dtype)))
-    return served
+    for group in grouped(loaded):
+        (name, predictor, adapter), runs = group[0], [p for _, p, a in group if a > 0]
+        engine = _engine(predictor, slots, context, queue, dtype, runs if len(group) > 1 else [])
+        first = Served(name, predictor, engine, adapter=adapter)
+        served.append(first)
+        served += [Served(n, p, engine, adapter=a, vocabulary=first.vocabulary) for n, p, a in group[1:]]
+    order = [name for name, _, _ in loaded]
+    return sorted(served, key=lambda s: order.index(s.name))  # as given
 
 
 def served_name(*, model: str | None = None, workdir: str | Path | None = None) -> str:
@@ -145,14 +151,16 @@ def served_name(*, model: str | None = None, workdir: str | Path | None = None) 
 DEFAULT_CONTEXT = 2048
 
 
-def _engine(predictor, slots: int, context: int | None, queue: int, dtype: str) -> Engine | None:
-    """A generation engine for a language model (a task that `completes`), its slots `context` positions
-    long (default: the model's, at most DEFAULT_CONTEXT: each slot's cache is that long), at
-    most `queue` requests waiting; None for any other task."""
+def _engine(predictor, slots: int, context: int | None, queue: int, dtype: str, runs=()) -> Engine | None:
+    """A generation engine for a language model (a task that `completes`), with the LoRA `runs`
+    of its weights as adapters (`core.serving.adapters`), its slots `context` positions long
+    (default: the longest of theirs, at most DEFAULT_CONTEXT: each slot's cache is that long),
+    at most `queue` requests waiting; None for any other task."""
     if not predictor.task.completes:
         return None
-    limit = predictor.task.config.model.max_len
+    limit = max(p.task.config.model.max_len for p in (predictor, *runs))
     if context is not None and not 2 <= context <= limit:
         raise UserError(f"--context {context}: must be from 2 to the model's {limit} positions.")
     context = context or min(limit, DEFAULT_CONTEXT)
-    return Engine(predictor.model, slots=slots, context=context, queue_size=queue, dtype=dtype)
+    adapters = [p.model for p in runs]
+    return Engine(predictor.model, slots=slots, context=context, queue_size=queue, dtype=dtype, adapters=adapters)

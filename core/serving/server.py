@@ -102,7 +102,7 @@ class Server:
         self.completions = Completions(self.metrics, timeout_s)
         for item in served:
             if item.engine is not None:
-                self.metrics.watch(item.name, item.engine)
+                self.metrics.watch(item.name, item.engine, item.adapter)
         self.max_batch, self.max_wait, self.queue_size = max_batch, max_wait_ms / 1000, queue_size
         self.app = FastAPI(title="apps serve", lifespan=self._lifespan)
         self._routes()
@@ -116,12 +116,13 @@ class Server:
                 served.embedder = Batcher(served.name, served.states, served.worker, **batching, metrics=self.metrics)
                 served.embedder.start()
             self.metrics.queue.labels(served.name).set_function(served.waiting)
-            if served.engine is not None:
-                served.engine.start()
+        engines = list({id(s.engine): s.engine for s in self.served.values() if s.engine is not None}.values())
+        for engine in engines:  # one per base, whatever adapters share it
+            engine.start()
         yield
+        for engine in engines:
+            engine.stop(30)
         for served in self.served.values():
-            if served.engine is not None:
-                served.engine.stop(30)
             served.worker.shutdown(wait=True)
 
     # Lookup ---------------------------------------------------------------------------------

@@ -178,6 +178,9 @@ class SpeechTask(Task):
             "timestamps", bool, True, "Whisper: each file's segments with their times, from its timestamp tokens"
         ),
         PredictOption("temperature", float, 0.0, "Whisper: the first decoding samples at it (0: greedy or beam)"),
+        PredictOption(
+            "prompt", str, "", "Whisper: text read as coming before the audio (names, spelling, style to follow)"
+        ),
         PredictOption("word_timestamps", bool, False, "Whisper: each segment's words, their times and probabilities"),
         PredictOption(
             "batched",

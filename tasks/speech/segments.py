@@ -106,7 +106,7 @@ def transcribe(
     def decoded(windows: list[tuple[int, int, int]]):  # (example, first frame, frames)
         hop = audio.HOP
         frames = [featurizer.frames(clips[i][first * hop : (first + size) * hop]) for i, first, size in windows]
-        results = decode_windows(model, featurizer, frames, decoding)
+        results = decode_windows(model, featurizer, frames, decoding, [first == 0 for _, first, _ in windows])
         spoken = [
             not silent(r, clips[i][first * hop : (first + size) * hop]) for r, (i, first, size) in zip(results, windows)
         ]

@@ -80,6 +80,16 @@ class WhisperFeaturizer:
         timestamp tokens or without."""
         return self.vocabulary.decoding(language or self.language or "en", task or self.task, timestamps)
 
+    def earlier(self, text: str) -> tuple[int, ...]:
+        """Whisper's prompt of earlier `text` (none if blank): <|startofprev|>, then the
+        text's tokens after a space (special tokens typed in it are read as text)."""
+        if not text.strip():
+            return ()
+        if self.vocabulary.previous is None:
+            raise UserError(f"{self.checkpoint}'s tokenizer has no <|startofprev|> token: it takes no prompt.")
+        [ids] = self.tokenizer.pieces([" " + text.strip()])
+        return (self.vocabulary.previous, *(i for i in ids if i < self.vocabulary.end))
+
     @property
     def alignment_heads(self) -> tuple[tuple[int, int], ...]:
         return _alignment_heads(self.checkpoint)
@@ -227,6 +237,7 @@ class WhisperRoute:
             batch_size=self.task.config.train.eval_batch_size,
             fallback=options.get("fallback", True),
             temperature=options.get("temperature", 0.0),
+            previous=featurizer.earlier(options.get("prompt", "")),
         )
         if not timed:
             return {"text": transcribe(model, featurizer, examples, decoding)[0]}

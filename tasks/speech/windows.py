@@ -70,7 +70,10 @@ class Decoding(NamedTuple):
     """How windows are decoded: after the prompt `start` (`Vocabulary.decoding`: language and
     task), `batch_size` at a time; greedy with `beam_width` 1, else beam search as Whisper's (the
     first W ended beams, by log-probability over length), or sampled at `temperature` above 0;
-    with Whisper's temperature `fallback`; under its timestamp rules where `timestamps` are given."""
+    with Whisper's temperature `fallback`; under its timestamp rules where `timestamps` are given;
+    each recording's first window after the `previous` tokens, a prompt of earlier text
+    (`WhisperFeaturizer.earlier`), as Whisper's `initial_prompt` (its later windows without:
+    earlier windows' text is not carried on)."""
 
     start: Start
     beam_width: int
@@ -78,17 +81,20 @@ class Decoding(NamedTuple):
     fallback: bool = True
     temperature: float = 0.0
     timestamps: Timestamps | None = None
+    previous: tuple[int, ...] = ()
 
 
 def transcribe(model, featurizer: WhisperFeaturizer, examples: Sequence[dict], decoding: Decoding):
     """Each example's transcript, its windows (`cut_windows`) decoded as one batch
     (`decode_windows`), and, per example, the windows' no-speech probabilities."""
-    pieces = []  # (example index, its window's samples)
+    pieces, firsts = [], []  # (example index, its window's samples); whether it is the example's first
     for index, example in enumerate(examples):
         samples = clip(example, silence_allowed=True)  # Whisper says itself that a window holds no speech
-        pieces += [(index, samples[window]) for window in cut_windows(samples, featurizer.window_samples)]
+        windows = cut_windows(samples, featurizer.window_samples)
+        pieces += [(index, samples[window]) for window in windows]
+        firsts += [n == 0 for n in range(len(windows))]
     frames = [featurizer.frames(samples) for _, samples in pieces]
-    decoded = decode_windows(model, featurizer, frames, decoding)
+    decoded = decode_windows(model, featurizer, frames, decoding, firsts)
     texts: list[list[str]] = [[] for _ in examples]
     no_speech: list[list[float]] = [[] for _ in examples]
     for (index, samples), window in zip(pieces, decoded):
@@ -98,8 +104,11 @@ def transcribe(model, featurizer: WhisperFeaturizer, examples: Sequence[dict], d
     return [" ".join(parts) for parts in texts], no_speech
 
 
-def decode_windows(model, featurizer: WhisperFeaturizer, frames: list[np.ndarray], decoding: Decoding) -> list[Decoded]:
-    """Each window's decoding (`Decoding`).
+def decode_windows(
+    model, featurizer: WhisperFeaturizer, frames: list[np.ndarray], decoding: Decoding, firsts: Sequence[bool] = ()
+) -> list[Decoded]:
+    """Each window's decoding (`Decoding`; `firsts`: which windows begin their recording, and
+    so follow `decoding.previous`).
 
     With `fallback`, as Whisper's transcribe(): a window whose text repeats itself (its gzip
     compression ratio above 2.4: greedy decoding caught in a loop) or whose tokens the model
@@ -107,7 +116,8 @@ def decode_windows(model, featurizer: WhisperFeaturizer, frames: list[np.ndarray
     0.2 to 1.0, the likeliest of 5 samples each, until one passes (or the last is kept). A
     window that holds no speech is not decoded again: it gives no text."""
     width = decoding.beam_width if decoding.temperature == 0 else 1
-    decoded = _decode(model, featurizer, frames, decoding, beam_width=width, temperature=decoding.temperature)
+    previous = [decoding.previous if first else () for first in firsts] if firsts else [()] * len(frames)
+    decoded = _decode(model, featurizer, frames, previous, decoding, beam_width=width, temperature=decoding.temperature)
     # A window the model finds empty and doubts is silence (Whisper's rule): not decoded again.
     retry = [
         i for i, w in enumerate(decoded) if not (w.no_speech > NO_SPEECH_THRESHOLD and w.log_prob < LOG_PROB_THRESHOLD)
@@ -118,8 +128,8 @@ def decode_windows(model, featurizer: WhisperFeaturizer, frames: list[np.ndarray
         retry = [i for i in retry if doubtful(decoded[i].text, decoded[i].log_prob)]
         if not retry:
             break
-        again = [frames[i] for i in retry for _ in range(BEST_OF)]
-        samples = _decode(model, featurizer, again, decoding, temperature=warmer, seed=step)
+        again = [(frames[i], previous[i]) for i in retry for _ in range(BEST_OF)]
+        samples = _decode(model, featurizer, *map(list, zip(*again)), decoding, temperature=warmer, seed=step)
         for n, i in enumerate(retry):
             best = max(samples[n * BEST_OF : (n + 1) * BEST_OF], key=lambda sample: sample.log_prob)
             decoded[i] = best._replace(no_speech=decoded[i].no_speech)
@@ -146,11 +156,14 @@ def doubtful(text: str, mean_log_prob: float) -> bool:
 
 
 def _decode(
-    model, featurizer, frames: list, decoding: Decoding, *, beam_width: int = 1, temperature=0.0, seed=0
+    model, featurizer, frames: list, previous: list, decoding: Decoding, *, beam_width=1, temperature=0.0, seed=0
 ) -> list[Decoded]:
-    """Each window's frames decoded, `decoding.batch_size` at a time: beam search, or sampling
-    (greedy at temperature 0), with the timestamp rules where given."""
+    """Each window's frames decoded after its `previous` tokens, `decoding.batch_size` at a
+    time: beam search, or sampling (greedy at temperature 0), with the timestamp rules where given."""
     end = featurizer.vocabulary.end
+    # Whisper keeps a prompt's latest tokens, as many as the decoder's positions leave.
+    room = model.decoder.config.max_len - len(decoding.start.prompt) - MAX_NEW_TOKENS
+    previous = [tuple(p[:1]) + tuple(p[1:][-room:]) if p else () for p in previous]
     settings = {
         "max_new_tokens": MAX_NEW_TOKENS,
         "start": decoding.start,
@@ -160,6 +173,7 @@ def _decode(
     decoded = []
     for first in range(0, len(frames), decoding.batch_size):
         chunk = frames[first : first + decoding.batch_size]
+        settings["previous"] = previous[first : first + decoding.batch_size]
         if beam_width > 1:
             beams = generate_beams_from_source(
                 model, chunk, beam_size=beam_width, length_penalty=1.0, early_stopping=True, **settings
