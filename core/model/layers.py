@@ -82,7 +82,8 @@ class Dense(nnx.Module):
     With `lora_rank` r > 0 it adds a LoRA update (Hu et al., 2021): y = W x + B (A x) * alpha / r,
     A [inputs, r] random and B [r, outputs] zero, so that training starts from W's outputs
     exactly (core/model/lora.py trains A and B alone, and folds them into W for export). A server
-    holding several adapters of one base gives each row its own A and B (`core.model.lora.per_row`)."""
+    holding several adapters of one base multiplies by all of them and keeps each row's own
+    (`core.model.lora.stacked`)."""
 
     def __init__(
         self, inputs: int, outputs: int, *, bias: bool = False, lora_rank: int = 0, lora_alpha: float = 16.0, rngs
@@ -99,11 +100,10 @@ class Dense(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         y = matmul(x, self.kernel[...])
         if self.lora_a is not None:
-            a, b = self.lora_a[...], self.lora_b[...] * self.lora_scale
-            if a.ndim == 3:  # an adapter per row, a [B, I, R] and b [B, R, O] (`core.model.lora.per_row`)
-                y = y + jnp.einsum("btr,bro->bto", jnp.einsum("bti,bir->btr", x, a), b).astype(y.dtype)
-            else:
-                y = y + matmul(matmul(x, a), b)
+            low = matmul(x, self.lora_a[...])
+            if getattr(self, "lora_ids", None) is not None:  # several adapters: each row keeps its own's columns
+                low = low * self.lora_ids[...][:, None, :].astype(low.dtype)  # [B, C] (`core.model.lora.per_row`)
+            y = y + matmul(low, self.lora_b[...] * self.lora_scale)
         if self.bias is not None:
             y = y + self.bias[...].astype(x.dtype).reshape((1,) * (y.ndim - 1) + (-1,))
         return y
