@@ -268,6 +268,8 @@ def test_train_eval_predict_end_to_end(tmp_path):
     assert table_rows(result.output) == [[row["file"], row["transcript"]] for row in searched]
     result = apps("predict", "speech", "--workdir", workdir, tmp_path / "nothing.wav")
     assert result.exit_code == 1 and "no such audio file" in result.output and "Traceback" not in result.output
+    result = apps("predict", "speech", "--workdir", workdir, clips[0], "--prompt", "Five thirty.")
+    assert result.exit_code == 1 and "--prompt is Whisper's earlier text" in result.output
 
 
 def test_sentencepiece_units_round_trip(tmp_path):

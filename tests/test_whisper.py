@@ -5,6 +5,7 @@ once in a scratch environment by make_whisper_reference.py; see its README)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import struct
 from pathlib import Path
 
@@ -313,3 +314,31 @@ def train_on_synthetic_digits(workdir, preset: str, overrides: list[str]) -> lis
     metrics = run.train(SpeechTask, workdir=workdir, preset=preset, overrides=overrides, data="synthetic")
     assert {"wer", "cer", "nll"} <= set(metrics)
     return list(logged_losses(workdir).values())
+
+
+def test_a_prompt_of_earlier_text_decodes_as_ctranslate2_decodes_it(features, reference):
+    """Whisper's prompt (<|startofprev|>, then an earlier text's tokens, before the start): the
+    featurizer's tokens are CTranslate2's; greedy decoding after them, each clip with a prompt of
+    its own in one batch beside a clip with none, gives CTranslate2's ids
+    (tests/fixtures/whisper/make_prompt_reference.py); the Python API follows a prompt's style."""
+    from tasks.speech.asr import whisper_tiny
+    from tasks.speech.transcriber import Transcriber
+
+    prompted = json.loads((FIXTURES / "prompt_reference.json").read_text())["prompts"]
+    model, vocabulary = whisper.load(installed("whisper-tiny.en"))
+    featurizer = speech_whisper.WhisperFeaturizer.from_checkpoint("whisper-tiny.en", whisper_tiny().data)
+    for text, found in prompted.items():
+        assert list(featurizer.earlier(text)) == found["ids"]
+    first, second = prompted
+    rows = [(first, "fox"), (second, "callback"), (first, "callback"), (None, "fox")]
+    frames = [features[CLIPS.index(clip)] for _, clip in rows]
+    previous = [prompted[text]["ids"] if text else [] for text, _ in rows]
+    settings = {"max_new_tokens": 64, "start": vocabulary.decoding(), "stop_tokens": [vocabulary.end]}
+    greedy = generate_from_source(model, frames, previous=previous, **settings)
+    for row, (text, clip) in enumerate(rows):
+        expected = prompted[text][f"{clip}_beam1"] if text else reference[f"tiny_en_{clip}_greedy_ids"].tolist()
+        assert greedy.tokens[row, : greedy.lengths[row]].tolist() == [*expected, vocabulary.end]
+    transcriber = Transcriber(model="whisper-tiny.en")
+    path = FIXTURES / "clip_callback.wav"
+    assert transcriber.transcribe([path], beam_width=1) == ["Please call me back at 5.30"]
+    assert transcriber.transcribe([path], beam_width=1, prompt=first) == ["Please call me back at five thirty."]

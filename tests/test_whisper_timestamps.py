@@ -218,7 +218,7 @@ def test_apps_predict_writes_subtitles_per_file(tmp_path):
 def test_the_audio_endpoints_answer_as_apps_predict_does(tmp_path, transcriber):
     """`apps serve --model whisper-tiny.en` through the official client: the transcription of a
     file is what `apps predict speech` gives for it, as text, JSON, verbose JSON with its
-    segments, and subtitles that parse; bad fields are named."""
+    segments, and subtitles that parse, and after a prompt; bad fields are named."""
     import httpx2 as httpx
     import srt
     from test_server import auth, client, serving
@@ -244,11 +244,15 @@ def test_the_audio_endpoints_answer_as_apps_predict_does(tmp_path, transcriber):
             subtitles_text = speech.transcriptions.create(model="whisper-tiny.en", file=file, response_format="srt")
         [cue] = srt.parse(subtitles_text)
         assert cue.content == row["transcript"] and cue.end.total_seconds() == row["segments"][0]["end"]
+        style = "the quick brown fox jumps over the lazy dog"  # lower case, no full stop: followed
+        [prompted] = transcriber.predict([str(short)], prompt=style)
+        with short.open("rb") as file:
+            answer = speech.transcriptions.create(model="whisper-tiny.en", file=file, prompt=style)
+        assert answer.text == prompted["transcript"] == style != row["transcript"]
         data = short.read_bytes()
         for fields, param in [
             ({"response_format": "xml"}, "response_format"),
             ({"timestamp_granularities[]": "letter"}, "timestamp_granularities[]"),
-            ({"prompt": "Fox."}, "prompt"),
             ({"temperature": "hot"}, "temperature"),
             ({"voice": "x"}, "voice"),
         ]:

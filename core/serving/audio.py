@@ -6,8 +6,9 @@ uploads share a call), with Whisper's timestamps on: the text, and its segments 
 times. Fields as OpenAI's API takes them: `file`, `model`, `language` (transcriptions),
 `temperature` (0, the default, is greedy with Whisper's fallback to sampling; above 0 the first
 decoding samples at it), `response_format` (`json`, `text`, `srt`, `vtt`, `verbose_json`) and
-`timestamp_granularities[]` (`segment`, `word`: verbose_json's `words`). An unknown field and
-`prompt` (conditioning on earlier text is not built) are refused by name.
+`timestamp_granularities[]` (`segment`, `word`: verbose_json's `words`), `prompt` (Whisper's
+earlier text: the file's first window is decoded after it, as Whisper's `initial_prompt`). An
+unknown field is refused by name.
 """
 
 from __future__ import annotations
@@ -51,8 +52,6 @@ async def read_form(request: Request) -> dict[str, Any]:
 
 def options(fields: dict[str, Any], translate: bool) -> dict[str, Any]:
     """The speech task's predict options for the request's fields, each bad value named."""
-    if fields.get("prompt"):
-        raise ApiError(400, "prompt: conditioning on earlier text is not supported by this server.", "prompt")
     if any(g not in ("segment", "word") for g in fields["granularities"]):
         raise ApiError(400, "timestamp_granularities[]: segment or word.", "timestamp_granularities[]")
     if fields.get("response_format", "json") not in FORMATS:
@@ -71,6 +70,7 @@ def options(fields: dict[str, Any], translate: bool) -> dict[str, Any]:
         "timestamps": True,
         "word_timestamps": "word" in fields["granularities"],
         "temperature": temperature,
+        "prompt": fields.get("prompt", ""),
     }
 
 

@@ -98,6 +98,8 @@ class CTCRoute:
         frames (few compiled shapes)."""
         if options["language"] not in ("", "auto") or options["task"]:
             raise UserError("--language and --task choose Whisper's prompt; a CTC model reads one language only.")
+        if options.get("prompt", "").strip():
+            raise UserError("--prompt is Whisper's earlier text; a CTC model reads the audio alone.")
         width, arrays = options["beam_width"], featurizer(examples)
         graphdef, state = nnx.split(model)
         forward = _forward(graphdef)

@@ -28,20 +28,27 @@ class Transcriber(Predictor):
     def __init__(self, workdir: str | Path | None = None, *, model: str | None = None, dtype: str = "float32"):
         super().__init__(SpeechTask, workdir, model=model, dtype=dtype)
 
-    def transcribe(self, clips: Sequence[str | Path | np.ndarray], beam_width: int = 8) -> list[str]:
+    def transcribe(self, clips: Sequence[str | Path | np.ndarray], beam_width: int = 8, prompt: str = "") -> list[str]:
         """The transcript of each clip: an audio file, or samples at 16 kHz: floats in [-1, 1],
         or integer PCM (int16 as WAV files hold it), scaled to [-1, 1]. Text alone (Whisper
-        decodes without timestamp tokens, as fine-tuning teaches it)."""
-        options = self.options({"beam_width": beam_width, "timestamps": False})
+        decodes without timestamp tokens, as fine-tuning teaches it). `prompt`: Whisper's, a text
+        read as coming before each clip (its spelling, names and style followed)."""
+        options = self.options({"beam_width": beam_width, "timestamps": False, "prompt": prompt})
         return self.task.generate(self.model, self.featurizer, _examples(clips), options)["text"]
 
     def segments(
-        self, clips: Sequence[str | Path | np.ndarray], beam_width: int = 8, batched: bool = False, vad: bool = False
+        self,
+        clips: Sequence[str | Path | np.ndarray],
+        beam_width: int = 8,
+        batched: bool = False,
+        vad: bool = False,
+        prompt: str = "",
     ):
         """Each clip's transcript with its language and its segments, each {"start", "end",
-        "text"} in seconds (Whisper's timestamp tokens: `tasks.speech.segments`); clips as
-        `transcribe` takes them; `batched` and `vad` as `apps predict speech` takes them."""
-        options = self.options({"beam_width": beam_width, "timestamps": True, "batched": batched, "vad": vad})
+        "text"} in seconds (Whisper's timestamp tokens: `tasks.speech.segments`); clips and
+        `prompt` as `transcribe` takes them; `batched` and `vad` as `apps predict speech` takes them."""
+        values = {"beam_width": beam_width, "timestamps": True, "batched": batched, "vad": vad, "prompt": prompt}
+        options = self.options(values)
         found = self.task.generate(self.model, self.featurizer, _examples(clips), options)
         if "segments" not in found:
             raise UserError("Segments with times come from Whisper; a CTC model gives text alone (transcribe).")
