@@ -201,7 +201,9 @@ def test_log_probabilities_in_both_shapes_streamed_or_not(server):
         **ask, logprobs=True, top_logprobs=3, extra_body={"min_tokens": 6}, stream=True
     )
     streamed = [item for c in chunks if c.choices and c.choices[0].logprobs for item in c.choices[0].logprobs.content]
-    assert [(i.token, i.logprob) for i in streamed] == [(i.token, i.logprob) for i in content]
+    # (The second request reads its prompt's keys from the first's, kept: equal to float32 rounding.)
+    assert [i.token for i in streamed] == [i.token for i in content]
+    np.testing.assert_allclose([i.logprob for i in streamed], [i.logprob for i in content], atol=1e-5)
     legacy = client(url).completions.create(model="tiny.gguf", prompt="the", max_tokens=5, temperature=0, logprobs=2)
     scored = legacy.choices[0].logprobs
     assert len(scored.token_logprobs) == len(scored.top_logprobs) == len(scored.text_offset) == 5

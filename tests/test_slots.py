@@ -158,8 +158,8 @@ def test_a_step_over_the_leading_rows_alone_gives_what_a_step_over_all_gives():
     lengths = [16, 3, 6, 2]
     engine = Engine(model, slots=6)
     rows_run = []
-    step = engine._step
-    engine._step = lambda rows, *args: rows_run.append(rows) or step(rows, *args)
+    step = engine.programs.step
+    engine.programs.step = lambda rows, *args: rows_run.append(rows) or step(rows, *args)
     collectors = [Collector() for _ in lengths]
     run_all(engine, [Request(PROMPTS[i], n, c) for i, (n, c) in enumerate(zip(lengths, collectors))], collectors)
     for i, (new, collector) in enumerate(zip(lengths, collectors)):
@@ -240,17 +240,27 @@ def test_the_queue_is_bounded_and_a_request_past_the_context_is_refused():
 
 
 def test_warm_up_compiles_every_prompt_width_once_and_requests_compile_nothing_more():
-    engine = Engine(language_model(max_len=64), slots=2)
+    engine = Engine(language_model(max_len=128), slots=2)
     timings = engine.warm_up()
-    assert engine.widths() == [8, 16, 24, 32, 48, 63]
+    assert engine.widths() == [8, 16, 24, 32, 48, 64, 96, 127]
     assert engine.row_counts() == [2]
-    assert set(timings) == {f"prefill {w}" for w in engine.widths()} | {"decode step, 2 rows"}
+    assert set(timings) == {f"prefill {w}" for w in engine.widths()} | {"decode step, 2 rows", "prompt cache"}
     assert np.all(engine.counts == 0)
-    compiled = engine._prefill._cache_size(), engine._step._cache_size()
-    assert compiled == (len(engine.widths()), 1)
-    collectors = [Collector(), Collector()]  # the first requests, at the first width, compile nothing more
-    run_all(engine, [Request(PROMPTS[0], 4, collectors[0]), Request(PROMPTS[1], 6, collectors[1])], collectors)
-    assert (engine._prefill._cache_size(), engine._step._cache_size()) == compiled
+    programs = engine.programs
+
+    def compiled():
+        return [f._cache_size() for f in (programs.prefill, programs.extend, programs.begin, programs.step)]
+
+    counts = compiled()
+    assert counts == [len(engine.widths()), 1, 1, 1] and engine.kept._copy._cache_size() == 2
+    # The first requests, at the first width, compile nothing more; nor does one after a kept prompt.
+    long = list(range(3, 23))
+    prompts = [PROMPTS[0], PROMPTS[1], long, [*long, 5]]
+    collectors = [Collector() for _ in prompts]
+    run_all(engine, [Request(p, 4, c) for p, c in zip(prompts[:3], collectors)], collectors[:3])
+    run_all(engine, [Request(prompts[3], 4, collectors[3])], collectors[3:])
+    assert engine.reused == 20
+    assert compiled() == counts and engine.kept._copy._cache_size() == 2
 
 
 def test_bfloat16_weights_decode_in_slots_as_the_narrowed_model_does_alone():
@@ -316,3 +326,29 @@ def test_requests_through_different_adapters_in_one_step_give_each_adapter_alone
     assert pointer in {leaf.unsafe_buffer_pointer() for leaf in jax.tree.leaves(engine.params)}
     with pytest.raises(ValueError, match="adapter 3"):
         engine.submit(Request([1], 1, Collector(), adapter=3))
+
+
+@pytest.mark.parametrize("shape", [{}, {**GEMMA_SHAPED, "sliding_window": 32}], ids=["llama-shaped", "windowed"])
+def test_a_prompt_that_begins_as_a_kept_one_prefills_the_rest_alone_and_decodes_alike(shape):
+    """Requests whose prompts begin as an ended one's did (a shared preamble of 20 tokens, and
+    one prompt whole again) read those positions from the kept prompt and prefill the rest
+    alone, and give what each gives with nothing kept; a prompt shorter than MIN_REUSE or sharing
+    less is prefilled whole; in a sliding-window layer a request that wrote past its window
+    leaves its prompt unkept (its ring no longer holds the beginning)."""
+    model = language_model(max_len=128, **shape)
+    preamble = list(range(3, 23))
+    first, again, other = [*preamble, 30, 31], [*preamble, 40, 41, 42], [7, *preamble]
+    runs = [(first, 6), (again, 6), (first, 6), (other, 4), (list(preamble[:12]), 4)]
+    engine = Engine(model, slots=2, prompt_cache=2)
+    for prompt, new in runs:  # one at a time, each kept when it ends
+        collector = Collector()
+        run_all(engine, [Request(prompt, new, collector)], [collector])
+        assert collector.tokens == list(generate(model, [prompt], max_new_tokens=new).tokens[0][:new])
+    assert engine.reused == 20 + 21  # `again` after `first`'s preamble, then `first` after itself (all but its last)
+    if "sliding_window" in shape:
+        engine = Engine(model, slots=2, prompt_cache=2)
+        for prompt, new in [(first, 12), (again, 4)]:  # 22 + 12 positions: past the window of 32
+            collector = Collector()
+            run_all(engine, [Request(prompt, new, collector)], [collector])
+            assert collector.tokens == list(generate(model, [prompt], max_new_tokens=new).tokens[0][:new])
+        assert engine.reused == 0

@@ -12,7 +12,9 @@ Each slot samples with its own settings, steered by its own logit bias and penal
 its own grammar if it has one (`core.generation.grammar`: a request ends as soon as its grammar
 is complete), and may ask for its tokens' log-probabilities (`core.generation.slot_sampling`).
 An engine given LoRA runs of its model (`adapters`) decodes each slot through the adapter its
-request names (`core.model.lora.stacked`), the base weights held once.
+request names (`core.model.lora.stacked`), the base weights held once. Ended requests' prompts
+are kept (`core.generation.prompt_cache`): a request that begins as a kept one did prefills the
+rest of its prompt alone.
 
 One engine thread owns the cache and runs every compiled call; callers submit from any thread
 and receive tokens through their request's `emit` callback, on the engine thread.
@@ -32,9 +34,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from core.generation.generate import COMPILER_OPTIONS, logits_of
+from core.generation.generate import logits_of
 from core.generation.grammar import Constraint
-from core.generation.slot_sampling import BIASED, HELD, Scores, Steering, bias_of, pick, scored, settings
+from core.generation.prompt_cache import MIN_REUSE, PromptCache
+from core.generation.slot_programs import CHUNK, Programs
+from core.generation.slot_sampling import BIASED, HELD, Scores, Steering, bias_of, scored, settings
 from core.model import lora
 from core.model.precision import narrowed
 from core.model.transformer import Model
@@ -88,9 +92,10 @@ class Engine:
         context: int | None = None,
         dtype: str = "float32",
         adapters: Sequence[Model] = (),
+        prompt_cache: int = 8,
     ):
         """`adapters`: LoRA runs of `model`'s weights, which requests name by number (1, 2, ...;
-        0 is `model` without adapters)."""
+        0 is `model` without adapters); `prompt_cache`: rows that keep ended requests' prompts."""
         config = model.body.config
         if not config.causal:
             raise ValueError("Continuous batching needs a causal (decoder-only) model.")
@@ -109,6 +114,9 @@ class Engine:
         cache_dtype = jax.eval_shape(lambda: model.embedder(*probe)[0]).dtype
         self.vocab_size = jax.eval_shape(lambda: logits_of(model, model.embedder(*probe)[0])).shape[-1]
         self.cache = jax.device_put(model.body.init_cache(slots, self.context, cache_dtype), device)
+        windows = [w for w in (config.window(i) for i in range(config.num_layers)) if w is not None]
+        self.kept = PromptCache(prompt_cache, self.cache, min(windows, default=None)) if prompt_cache else None
+        self.reused = 0  # prompt tokens read from kept prompts rather than prefilled
         self.steering = jax.device_put(Steering.empty(slots, self.vocab_size), device)
         self.mask_words = (self.vocab_size + 31) // 32
         self.waiting: queue.Queue[Request] = queue.Queue(maxsize=queue_size)
@@ -119,56 +127,7 @@ class Engine:
         self.on_step: Callable[[int], None] | None = None  # told each step's active slots (a server's metrics)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._prefill = jax.jit(self._prefill_into, donate_argnums=(1, 2), compiler_options=COMPILER_OPTIONS)
-        self._step = jax.jit(
-            self._decode_rows, static_argnums=0, donate_argnums=(2, 3), compiler_options=COMPILER_OPTIONS
-        )
-
-    # The compiled programs ------------------------------------------------------------------
-
-    def _model(self, params, adapters):
-        """The model of a program whose rows decode through adapters [B] (with `adapters`)."""
-        return nnx.merge(self.graphdef, lora.per_row(params, adapters) if self.adapters else params)
-
-    def _prefill_into(self, params, cache, steering, tokens, length, slot, sampling, bias, adapter):
-        """Prompt tokens [1, W] (length real ones, through adapter [1]) into row `slot` of the
-        cache, and the request's `bias` (ids, values) into the slot's steering -> (its first
-        token, its scores, the cache, the steering)."""
-        model = self._model(params, adapter)
-        row = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=0), cache)
-        x, mask = model.embedder(tokens, jnp.arange(tokens.shape[1])[None, :] < length)
-        hidden, row = model.body.prefill(x, mask, row)
-        logits = logits_of(model, jnp.take_along_axis(hidden, (length - 1).reshape(1, 1, 1), axis=1))[0]
-        cache = jax.tree.map(lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r, slot, axis=0), cache, row)
-        # The slot's steering row, moved to the front for `pick`, which steers the leading rows.
-        steering = steering.begin(slot, *bias)
-        first = Steering(*(jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=0) for a in steering))
-        token, scores = pick(logits[None], sampling, first)
-        steering = steering._replace(counts=steering.counts.at[slot, token[0]].add(1))
-        return token[0], jax.tree.map(lambda a: a[0], scores), cache, steering
-
-    def _decode_rows(self, rows, params, cache, steering, tokens, active, sampling, adapters):
-        """`_decode_step` on the cache's first `rows` rows alone (every argument after the
-        steering is of those rows): a step costs what its rows cost, so a few active slots in
-        the lowest rows (where `_admit` puts requests) step at the price of a few. (The steering
-        is read and counted in place, by row: only the cache's rows are copied out and back.)"""
-        if rows == self.slots:
-            return self._decode_step(params, cache, steering, tokens, active, sampling, adapters)
-        part = jax.tree.map(lambda a: a[:rows], cache)
-        tokens, scores, part, steering = self._decode_step(params, part, steering, tokens, active, sampling, adapters)
-        cache = jax.tree.map(lambda a, p: jax.lax.dynamic_update_slice_in_dim(a, p, 0, axis=0), cache, part)
-        return tokens, scores, cache, steering
-
-    def _decode_step(self, params, cache, steering, tokens, active, sampling, adapters):
-        """One token for every slot [S] (each through its adapter) -> (the next token of each,
-        their log-probabilities where wanted, the cache, the steering with the new tokens
-        counted); an idle slot computes at position 0, so its row never runs past the context."""
-        model = self._model(params, adapters)
-        cache = cache._replace(lengths=jnp.where(active, cache.lengths, 0))
-        x, _ = model.embedder(tokens[:, None], jnp.ones((tokens.shape[0], 1), bool))
-        hidden, cache = model.body.extend(x, cache)
-        tokens, scores = pick(logits_of(model, hidden), sampling, steering)
-        return tokens, scores, cache, steering.tally(tokens, active)
+        self.programs = Programs(self.graphdef, self.adapters, slots)
 
     # Running ---------------------------------------------------------------------------------
 
@@ -189,6 +148,11 @@ class Engine:
             started = time.perf_counter()
             self._prefill_slot(0, Request([0] * width, 1, lambda *_: None))
             timings[f"prefill {width}"] = time.perf_counter() - started
+        if self.kept is not None and MIN_REUSE + CHUNK <= self.context:
+            started = time.perf_counter()
+            self.cache = self.kept.warm_up(self.cache)
+            self._fill(0, [0] * (MIN_REUSE + 1), MIN_REUSE, 0)  # a kept prompt's rest: one chunk
+            timings["prompt cache"] = time.perf_counter() - started
         for rows in self.row_counts():
             started = time.perf_counter()
             self._run_step(np.arange(self.slots) == rows - 1)
@@ -198,6 +162,7 @@ class Engine:
         return timings
 
     def start(self) -> None:
+        self._stop.clear()  # an engine stopped once may start again
         self._thread = threading.Thread(target=self._loop, name="apps-engine", daemon=True)
         self._thread.start()
 
@@ -288,23 +253,43 @@ class Engine:
         self._advance(slot, request, token, scores)
 
     def _prefill_slot(self, slot: int, request: Request) -> tuple[int, Scores | None]:
+        """The request's prompt into the slot's row (after the beginning a kept prompt shares
+        with it, if one does and that pays) -> its first token and its scores."""
         prompt = request.prompt
-        width = bucket_width(len(prompt), self.context - 1)
-        tokens = np.zeros((1, width), np.int32)
-        tokens[0, : len(prompt)] = prompt
-        token, scores, self.cache, self.steering = self._prefill(
-            self.params,
-            self.cache,
-            self.steering,
-            tokens,
-            jnp.int32(len(prompt)),
-            jnp.int32(slot),
-            settings([request], [0], self.mask_words),
-            bias_of(request),
-            np.array([request.adapter], np.int32),
+        row, held = self.kept.find(prompt) if self.kept is not None else (-1, 0)
+        chunks = -(-(len(prompt) - held) // CHUNK)
+        # Chunks after the kept beginning cost more a token than one prefill: used for a short rest.
+        if row >= 0 and len(prompt) - held <= max(held, CHUNK) and held + chunks * CHUNK <= self.context:
+            self.cache = self.kept.restore(self.cache, row, slot)
+            self.reused += held
+        else:
+            held = 0
+        logits = self._fill(slot, prompt, held, request.adapter)
+        token, scores, self.steering = self.programs.begin(
+            self.steering, logits, jnp.int32(slot), settings([request], [0], self.mask_words), bias_of(request)
         )
         self.prefills += 1
         return int(token), scored(request, *(np.asarray(a) for a in scores))
+
+    def _fill(self, slot: int, prompt: Sequence[int], held: int, adapter: int) -> jax.Array:
+        """The prompt's tokens after the `held` ones into the slot's row: whole, in one padded
+        width, or (after a kept beginning) chunk by chunk -> the logits of the token after it."""
+        ids = np.array([adapter], np.int32)
+        if not held:
+            tokens = np.zeros((1, bucket_width(len(prompt), self.context - 1)), np.int32)
+            tokens[0, : len(prompt)] = prompt
+            logits, self.cache = self.programs.prefill(
+                self.params, self.cache, tokens, jnp.int32(len(prompt)), jnp.int32(slot), ids
+            )
+            return logits
+        for start in range(held, len(prompt), CHUNK):
+            chunk = prompt[start : start + CHUNK]
+            tokens = np.zeros((1, CHUNK), np.int32)
+            tokens[0, : len(chunk)] = chunk
+            logits, self.cache = self.programs.extend(
+                self.params, self.cache, tokens, jnp.int32(len(chunk)), jnp.int32(start), jnp.int32(slot), ids
+            )
+        return logits
 
     def row_counts(self) -> list[int]:
         """The numbers of leading rows that a decode step compiles for: all of them, and the
@@ -320,7 +305,7 @@ class Engine:
         last = int(np.flatnonzero(active)[-1]) + 1 if active.any() else 1
         rows = next(n for n in self.row_counts() if n >= last)
         requests = [r if r is not None else Request((), 1, lambda *_: None) for r in self.active[:rows]]
-        tokens, scores, self.cache, self.steering = self._step(
+        tokens, scores, self.cache, self.steering = self.programs.step(
             rows,
             self.params,
             self.cache,
@@ -359,6 +344,8 @@ class Engine:
     def _finish(self, slot: int, reason: str) -> None:
         request, self.active[slot] = self.active[slot], None
         if request is not None:
+            if self.kept is not None and reason in ("stop", "length"):
+                self.kept.keep(self.cache, slot, request.prompt, len(request.prompt) + int(self.counts[slot]))
             _tell(request, None, reason)
 
 

@@ -162,7 +162,10 @@ class Attention(nnx.Module):
         else:
             y = cached_attention(q, k, v, cache.keys, cache.values, positions[:, 0], self.window)
         if cache is not None:
-            lengths = mask.sum(-1, dtype=jnp.int32) if prefill else positions[:, -1] + 1
+            if prefill:
+                lengths = mask.sum(-1, dtype=jnp.int32)
+            else:  # a right-padded chunk (`mask`) writes its real positions alone
+                lengths = positions[:, -1] + 1 if mask is None else positions[:, 0] + mask.sum(-1, dtype=jnp.int32)
             cache = write(cache, k, v, None if prefill else positions, lengths)
         return self.out(y.reshape(B, T, -1)), cache
 

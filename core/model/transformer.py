@@ -161,14 +161,17 @@ class Transformer(nnx.Module):
         hidden, layers = self._run(x, mask, positions, None, cache.layers, True, cache.memory)
         return hidden, Cache(layers, mask.sum(-1, dtype=jnp.int32), cache.memory)
 
-    def extend(self, x: jax.Array, cache: Cache) -> tuple[jax.Array, Cache]:
+    def extend(self, x: jax.Array, cache: Cache, mask: jax.Array | None = None) -> tuple[jax.Array, Cache]:
         """New tokens x [B, T, D] that follow each row's cached ones -> hidden [B, T, D] and the
-        cache holding them too. Row b's tokens take positions lengths[b] .. lengths[b] + T - 1."""
+        cache holding them too. Row b's tokens take positions lengths[b] .. lengths[b] + T - 1;
+        with a right-padded `mask` [B, T], only its real ones are kept (a padded chunk of a
+        prompt after a cached prefix)."""
         self._check_memory(cache.memory)
         B, T, _ = x.shape
         positions = cache.lengths[:, None] + jnp.arange(T)[None, :]
-        hidden, layers = self._run(x, None, positions, None, cache.layers, False, cache.memory)
-        return hidden, Cache(layers, cache.lengths + T, cache.memory)
+        hidden, layers = self._run(x, mask, positions, None, cache.layers, False, cache.memory)
+        added = T if mask is None else mask.sum(-1, dtype=jnp.int32)
+        return hidden, Cache(layers, cache.lengths + added, cache.memory)
 
     def _check_memory(self, memory) -> None:
         if (memory is None) == self.cross_attention:
