@@ -303,6 +303,7 @@ def serve(
         Optional[int], typer.Option(metavar="N", help="Positions per slot (default: the model's, at most 2048).")
     ] = None,
     dtype: DtypeOpt = "float32",
+    prompt_cache: Annotated[int, typer.Option(metavar="N", help="Ended prompts kept for reuse (0: none).")] = 8,
     queue: Annotated[int, typer.Option(metavar="N", help="Requests that may wait per model; past it, 503.")] = 256,
     timeout: Annotated[float, typer.Option(metavar="S", help="Seconds a request may take; past it, 504.")] = 300.0,
     read_timeout: Annotated[float, typer.Option(metavar="S", help="Seconds to send a head or each body piece.")] = 30.0,

@@ -669,6 +669,8 @@ def test_serving_beyond_loopback_needs_a_key_and_an_unknown_dtype_is_refused(tmp
     assert result.exit_code == 1 and "whisper-tiny.en is not a decoder (a causal" in plain(result.output)
     result = apps("serve", "--model", tiny, "--read-timeout", "0")
     assert result.exit_code == 1 and "--read-timeout and --max-audio-seconds positive" in plain(result.output)
+    result = apps("serve", "--model", tiny, "--prompt-cache", "-1")
+    assert result.exit_code == 1 and "--max-wait-ms and --prompt-cache at least 0" in plain(result.output)
 
 
 def test_a_full_queue_is_503_and_sigterm_finishes_the_requests_in_flight_then_exits(tmp_path, tiny):

@@ -25,6 +25,7 @@ class Settings:
     max_wait_ms: float = 5.0
     context: int | None = None
     dtype: str = "float32"
+    prompt_cache: int = 8
     queue: int = 256
     timeout: float = 300.0
     api_key: str | None = None
@@ -48,10 +49,11 @@ class Settings:
                 "--allow-unauthenticated to serve anyone who can reach it."
             )
         least_one = min(self.max_batch, self.queue, self.max_inputs)
-        if least_one < 1 or min(self.timeout, self.read_timeout, self.max_audio_seconds) <= 0 or self.max_wait_ms < 0:
+        times = min(self.timeout, self.read_timeout, self.max_audio_seconds)
+        if least_one < 1 or times <= 0 or min(self.max_wait_ms, self.prompt_cache) < 0:
             raise UserError(
                 "--max-batch, --queue and --max-inputs must be at least 1, --timeout, --read-timeout and "
-                "--max-audio-seconds positive, --max-wait-ms at least 0."
+                "--max-audio-seconds positive, --max-wait-ms and --prompt-cache at least 0."
             )
         check_dtype(self.dtype)
 
@@ -84,6 +86,7 @@ def serve(
         context=settings.context,
         queue=settings.queue,
         dtype=settings.dtype,
+        prompt_cache=settings.prompt_cache,
     )
     warmed: dict[int, str] = {}  # engines compiled, by id: the name of the model that compiled each
     for item in served:

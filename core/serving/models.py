@@ -118,12 +118,14 @@ def load(
     context: int | None,
     queue: int,
     dtype: str = "float32",
+    prompt_cache: int = 8,
 ) -> list[Served]:
     """The served models: each run of `workdirs` (its task read from its config.json and found
     by `task_named`, the registry's lookup) and each pretrained checkpoint of `models` (served by
     the task `task_for` it: a decoder by the language-model task, Whisper by speech), loaded and,
     for a language model, given an engine whose weights are in `dtype`
-    (`core.model.precision.narrowed`), which LoRA runs of one base share (`core.serving.adapters`)."""
+    (`core.model.precision.narrowed`), which LoRA runs of one base share (`core.serving.adapters`),
+    keeping `prompt_cache` ended prompts (`core.generation.prompt_cache`)."""
     from core import run
     from core.loading import run_task
     from core.serving.adapters import grouped
@@ -134,7 +136,7 @@ def load(
     served = []
     for group in grouped(loaded):
         (name, predictor, adapter), runs = group[0], [p for _, p, a in group if a > 0]
-        engine = _engine(predictor, slots, context, queue, dtype, runs if len(group) > 1 else [])
+        engine = _engine(predictor, slots, context, queue, dtype, runs if len(group) > 1 else [], prompt_cache)
         first = Served(name, predictor, engine, adapter=adapter)
         served.append(first)
         served += [Served(n, p, engine, adapter=a, vocabulary=first.vocabulary) for n, p, a in group[1:]]
@@ -151,7 +153,7 @@ def served_name(*, model: str | None = None, workdir: str | Path | None = None) 
 DEFAULT_CONTEXT = 2048
 
 
-def _engine(predictor, slots: int, context: int | None, queue: int, dtype: str, runs=()) -> Engine | None:
+def _engine(predictor, slots, context, queue, dtype, runs=(), prompt_cache: int = 8) -> Engine | None:
     """A generation engine for a language model (a task that `completes`), with the LoRA `runs`
     of its weights as adapters (`core.serving.adapters`), its slots `context` positions long
     (default: the longest of theirs, at most DEFAULT_CONTEXT: each slot's cache is that long),
@@ -163,4 +165,5 @@ def _engine(predictor, slots: int, context: int | None, queue: int, dtype: str, 
         raise UserError(f"--context {context}: must be from 2 to the model's {limit} positions.")
     context = context or min(limit, DEFAULT_CONTEXT)
     adapters = [p.model for p in runs]
-    return Engine(predictor.model, slots=slots, context=context, queue_size=queue, dtype=dtype, adapters=adapters)
+    kept = {"adapters": adapters, "prompt_cache": prompt_cache}
+    return Engine(predictor.model, slots=slots, context=context, queue_size=queue, dtype=dtype, **kept)
