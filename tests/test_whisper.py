@@ -187,7 +187,8 @@ def test_a_window_that_loops_or_is_doubted_is_decoded_again_at_rising_temperatur
     first = [(loop, -0.05, 0.01), ("call me back", -0.2, 0.01), ("you you you you you you", -0.1, 0.9)]
     calls = []
 
-    def decode(model, featurizer, frames, decoding, *, beam_width=1, temperature=0.0, seed=0):
+    def decode(model, featurizer, frames, previous, decoding, *, beam_width=1, temperature=0.0, seed=0):
+        assert previous == [()] * len(frames)  # no prompt given: no window follows earlier text
         calls.append((len(frames), temperature))
         if temperature == 0.0:
             found = first
