@@ -308,9 +308,9 @@ def test_requests_through_different_adapters_in_one_step_give_each_adapter_alone
     """One engine over a base and two LoRA runs of it (ranks 4 and 2, different layers adapted):
     requests to the base and to each adapter, side by side in its slots, give what each model
     gives alone; the base is held once (the engine's kernels are the base's own arrays)."""
-    base = language_model()
-    first = adapted(base, 1, lora_rank=4)
-    second = adapted(base, 2, lora_rank=2, lora_alpha=4.0, lora_targets=("qkv", "down"))
+    base = language_model(max_len=128)
+    first = adapted(base, 1, max_len=128, lora_rank=4)
+    second = adapted(base, 2, max_len=128, lora_rank=2, lora_alpha=4.0, lora_targets=("qkv", "down"))
     models = [base, first, second]
     engine = Engine(base, slots=4, adapters=[first, second])
     jobs = [(0, PROMPTS[0]), (1, PROMPTS[1]), (2, PROMPTS[2]), (1, PROMPTS[3]), (2, PROMPTS[4]), (0, PROMPTS[1])]
@@ -322,6 +322,13 @@ def test_requests_through_different_adapters_in_one_step_give_each_adapter_alone
         assert collector.tokens == list(expected), adapter
     alone = [generate(m, [PROMPTS[1]], max_new_tokens=6).tokens[0][:6] for m in models]
     assert len({tuple(t) for t in alone}) == 3  # the adapters do change the tokens
+    # A kept prompt serves its own adapter alone: the same long prompt through each in turn.
+    long = list(range(3, 23))
+    for adapter in (0, 1, 2, 1):
+        collector = Collector()
+        run_all(engine, [Request(long, 4, collector, adapter=adapter)], [collector])
+        assert collector.tokens == list(generate(models[adapter], [long], max_new_tokens=4).tokens[0][:4])
+    assert engine.reused == 19  # adapter 1's second request, after its first
     pointer = base.body.blocks[0].attention.qkv.kernel[...].unsafe_buffer_pointer()
     assert pointer in {leaf.unsafe_buffer_pointer() for leaf in jax.tree.leaves(engine.params)}
     with pytest.raises(ValueError, match="adapter 3"):

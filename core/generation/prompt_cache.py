@@ -12,7 +12,9 @@ cache whose rows are a batch.
 The kept rows are apart from the slots' cache, so that a decode step reads the slots' rows as it
 did (a step over part of a cache copies that part out and back). A sliding-window layer keeps a
 ring of its window's latest positions, which later positions overwrite: a prompt is kept there
-only while all that its request wrote fits the window.
+only while all that its request wrote fits the window. Keys and values depend on the LoRA
+adapter a request decodes through (`core.model.lora.stacked`): a kept prompt serves requests of
+its own adapter alone.
 """
 
 from __future__ import annotations
@@ -48,16 +50,18 @@ class PromptCache:
             lambda a: jax.device_put(np.zeros((rows, *a.shape[1:]), a.dtype), a.sharding), cache.layers
         )
         self.prompts: list[tuple[int, ...]] = [()] * rows
+        self.adapters = [0] * rows  # the adapter each kept prompt was read through
         self.used = np.zeros(rows, np.int64)  # when each row was last kept or found, for the LRU
         self.clock = 0
         self._copy = jax.jit(_row_into, donate_argnums=0)
 
-    def find(self, prompt: Sequence[int]) -> tuple[int, int]:
-        """The kept row sharing the longest beginning with `prompt` and the tokens it shares (at
-        most all but the prompt's last, whose logits the prefill gives); (-1, 0) below MIN_REUSE."""
+    def find(self, prompt: Sequence[int], adapter: int = 0) -> tuple[int, int]:
+        """The kept row (of `adapter`) sharing the longest beginning with `prompt` and the tokens
+        it shares (at most all but the prompt's last, whose logits the prefill gives); (-1, 0)
+        below MIN_REUSE."""
         best, found = -1, 0
         for row, kept in enumerate(self.prompts):
-            shared = _common(kept, prompt, len(prompt) - 1)
+            shared = _common(kept, prompt, len(prompt) - 1) if self.adapters[row] == adapter else 0
             if shared > found:
                 best, found = row, shared
         if found < MIN_REUSE:
@@ -71,20 +75,21 @@ class PromptCache:
         ones are then out of sight: the prefill sets the slot's length)."""
         return cache._replace(layers=self._copy(cache.layers, self.layers, np.int32(row), np.int32(slot)))
 
-    def keep(self, cache: Cache, slot: int, prompt: Sequence[int], written: int) -> None:
-        """Keeps the prompt of the request that ended in `slot`, its keys and values in the
-        least recently used row, unless it is short, kept already, or (in a sliding window) its
-        request wrote `written` positions past the window."""
+    def keep(self, cache: Cache, slot: int, prompt: Sequence[int], written: int, adapter: int = 0) -> None:
+        """Keeps the prompt of the request that ended in `slot` (read through `adapter`), its
+        keys and values in the least recently used row, unless it is short, kept already, or (in
+        a sliding window) its request wrote `written` positions past the window."""
         prompt = tuple(prompt)
         if len(prompt) < MIN_REUSE or (self.window is not None and written > self.window):
             return
         self.clock += 1
-        if prompt in self.prompts:
-            self.used[self.prompts.index(prompt)] = self.clock
+        same = [row for row, kept in enumerate(self.prompts) if kept == prompt and self.adapters[row] == adapter]
+        if same:
+            self.used[same[0]] = self.clock
             return
         row = int(np.argmin(self.used))
         self.layers = self._copy(self.layers, cache.layers, np.int32(slot), np.int32(row))
-        self.prompts[row], self.used[row] = prompt, self.clock
+        self.prompts[row], self.adapters[row], self.used[row] = prompt, adapter, self.clock
 
     def warm_up(self, cache: Cache) -> Cache:
         """Compiles both copies (leaving nothing kept) -> the cache, its slot 0 overwritten."""

@@ -256,7 +256,7 @@ class Engine:
         """The request's prompt into the slot's row (after the beginning a kept prompt shares
         with it, if one does and that pays) -> its first token and its scores."""
         prompt = request.prompt
-        row, held = self.kept.find(prompt) if self.kept is not None else (-1, 0)
+        row, held = self.kept.find(prompt, request.adapter) if self.kept is not None else (-1, 0)
         chunks = -(-(len(prompt) - held) // CHUNK)
         # Chunks after the kept beginning cost more a token than one prefill: used for a short rest.
         if row >= 0 and len(prompt) - held <= max(held, CHUNK) and held + chunks * CHUNK <= self.context:
@@ -345,7 +345,8 @@ class Engine:
         request, self.active[slot] = self.active[slot], None
         if request is not None:
             if self.kept is not None and reason in ("stop", "length"):
-                self.kept.keep(self.cache, slot, request.prompt, len(request.prompt) + int(self.counts[slot]))
+                written = len(request.prompt) + int(self.counts[slot])
+                self.kept.keep(self.cache, slot, request.prompt, written, request.adapter)
             _tell(request, None, reason)
 
 
