@@ -197,6 +197,7 @@ def test_log_probabilities_in_both_shapes_streamed_or_not(server):
         ranked = [t.logprob for t in item.top_logprobs]
         assert len(ranked) == 3 and ranked == sorted(ranked, reverse=True) and ranked[0] == item.logprob <= 0
         assert sum(np.exp(ranked)) <= 1 + 1e-6 and item.top_logprobs[0].token == item.token
+    reused = metric(url, "apps_prompt_tokens_reused", model="tiny.gguf")
     chunks = client(url).chat.completions.create(
         **ask, logprobs=True, top_logprobs=3, extra_body={"min_tokens": 6}, stream=True
     )
@@ -204,6 +205,7 @@ def test_log_probabilities_in_both_shapes_streamed_or_not(server):
     # (The second request reads its prompt's keys from the first's, kept: equal to float32 rounding.)
     assert [i.token for i in streamed] == [i.token for i in content]
     np.testing.assert_allclose([i.logprob for i in streamed], [i.logprob for i in content], atol=1e-5)
+    assert metric(url, "apps_prompt_tokens_reused", model="tiny.gguf") - reused == answer.usage.prompt_tokens - 1
     legacy = client(url).completions.create(model="tiny.gguf", prompt="the", max_tokens=5, temperature=0, logprobs=2)
     scored = legacy.choices[0].logprobs
     assert len(scored.token_logprobs) == len(scored.top_logprobs) == len(scored.text_offset) == 5

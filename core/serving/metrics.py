@@ -28,6 +28,9 @@ class Metrics:
         )
         self.busy = Gauge("apps_busy_slots", "Generation slots in use", ["model"], registry=r)
         self.prefills = Gauge("apps_prefills", "Requests prefilled into a slot so far", ["model"], registry=r)
+        self.reused = Gauge(
+            "apps_prompt_tokens_reused", "Prompt tokens read from kept prompts, not prefilled", ["model"], registry=r
+        )
 
     def watch(self, name: str, engine: Engine, adapter: int = 0) -> None:
         """Reads the generation engine of the language model `name` (its `adapter`, where LoRA
@@ -37,3 +40,4 @@ class Metrics:
         self.prefills.labels(name).set_function(lambda: engine.prefills)
         if engine.on_step is None:
             engine.on_step = self.slots.labels(name).observe
+            self.reused.labels(name).set_function(lambda: engine.reused)
