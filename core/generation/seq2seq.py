@@ -53,9 +53,10 @@ def previous_rows(rows: Sequence[Sequence[int]] | None, cap: int) -> Previous | 
     width, `core.training.data.bucket_width`, at most `cap`); None where no row has any."""
     if rows is None or not any(rows):
         return None
-    if max(len(row) for row in rows) > cap:
-        raise UserError(f"A prompt of {max(len(row) for row in rows)} earlier tokens exceeds the {cap} allowed.")
-    ids = np.zeros((len(rows), bucket_width(max(len(row) for row in rows), cap)), np.int32)
+    longest = max(len(row) for row in rows)
+    if longest > cap:
+        raise UserError(f"A prompt of {longest} earlier tokens exceeds the {cap} allowed.")
+    ids = np.zeros((len(rows), bucket_width(longest, cap)), np.int32)
     for index, row in enumerate(rows):
         ids[index, : len(row)] = row
     return Previous(ids, np.array([len(row) for row in rows], np.int32))
@@ -204,9 +205,14 @@ def _source_beam_program(graphdef, settings, start, params, inputs, mask, ticket
     return *beam_search(step, state, logits, **settings._asdict(), ticket=ticket)[:3], probe
 
 
+def previous_room(model: EncoderDecoder, start: Start, max_new_tokens: int) -> int:
+    """How many earlier tokens a row may have: the decoder's positions that `start`'s prompt
+    and the new tokens (all but the last, which is never fed back) leave."""
+    return model.decoder.config.max_len - len(start.prompt) - max_new_tokens + 1
+
+
 def _previous(model: EncoderDecoder, rows, start: Start, max_new_tokens: int) -> Previous | None:
-    """`previous_rows` within the decoder's positions that the prompt and the new tokens leave."""
-    return previous_rows(rows, model.decoder.config.max_len - len(start.prompt) - max_new_tokens + 1)
+    return previous_rows(rows, previous_room(model, start, max_new_tokens))
 
 
 def _prompt_width(start: Start, previous: Previous | None) -> int:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 
 from core.generation.beam import gnmt_penalty
-from core.generation.seq2seq import generate_beams_from_source, generate_from_source
+from core.generation.seq2seq import generate_beams_from_source, generate_from_source, previous_room
 from core.generation.timestamps import Timestamps
 from core.model.encoder_decoder import Start
 from tasks.speech import audio as audio_lib
@@ -161,8 +161,9 @@ def _decode(
     """Each window's frames decoded after its `previous` tokens, `decoding.batch_size` at a
     time: beam search, or sampling (greedy at temperature 0), with the timestamp rules where given."""
     end = featurizer.vocabulary.end
-    # Whisper keeps a prompt's latest tokens, as many as the decoder's positions leave.
-    room = model.decoder.config.max_len - len(decoding.start.prompt) - MAX_NEW_TOKENS
+    # Whisper keeps a prompt's latest tokens, as many as the decoder's positions leave beside
+    # <|startofprev|>.
+    room = previous_room(model, decoding.start, MAX_NEW_TOKENS) - 1
     previous = [tuple(p[:1]) + tuple(p[1:][-room:]) if p else () for p in previous]
     settings = {
         "max_new_tokens": MAX_NEW_TOKENS,
