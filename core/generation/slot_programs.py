@@ -78,14 +78,15 @@ class Programs:
     def _decode_rows(self, rows, params, cache, steering, tokens, active, sampling, adapters):
         """`_decode_step` on the cache's first `rows` rows alone (every argument after the
         steering is of those rows): a step costs what its rows cost, so a few active slots in
-        the lowest rows (where the engine puts requests) step at the price of a few. (The steering
-        is read and counted in place, by row: only the cache's rows are copied out and back.)"""
+        the lowest rows (where the engine puts requests) step at the price of a few. The layers
+        read those rows where they lie and write each new key into them in place; only the
+        lengths are cut and set back. (Copying the rows out and back cost a one-row step of
+        SmolLM2 at 512 positions 38 against 78 ms.) The steering is read and counted by row."""
         if rows == self.slots:
             return self._decode_step(params, cache, steering, tokens, active, sampling, adapters)
-        part = jax.tree.map(lambda a: a[:rows], cache)
+        part = cache._replace(lengths=cache.lengths[:rows])
         tokens, scores, part, steering = self._decode_step(params, part, steering, tokens, active, sampling, adapters)
-        cache = jax.tree.map(lambda a, p: jax.lax.dynamic_update_slice_in_dim(a, p, 0, axis=0), cache, part)
-        return tokens, scores, cache, steering
+        return tokens, scores, part._replace(lengths=cache.lengths.at[:rows].set(part.lengths)), steering
 
     def _decode_step(self, params, cache, steering, tokens, active, sampling, adapters):
         """One token for every slot [S] (each through its adapter) -> (the next token of each,

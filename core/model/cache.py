@@ -32,10 +32,10 @@ class KeyValues(NamedTuple):
 
 def write(cache: KeyValues, k: jax.Array, v: jax.Array, positions: jax.Array | None, lengths: jax.Array) -> KeyValues:
     """`cache` with keys and values k, v [B, T, K, H] at `positions` [B, T] (None: 0..T-1, as a
-    prefill writes them) in slots p mod S; `lengths` [B] is each row's length once written. Only
-    the positions a later query can see are written: none at or past a row's length (a prefill's
-    padding) and none S or more behind it (a ring's older positions, which the newer ones take
-    the slots of)."""
+    prefill writes them) in slots p mod S of its leading B rows; `lengths` [B] is each row's
+    length once written. Only the positions a later query can see are written: none at or past a
+    row's length (a prefill's padding) and none S or more behind it (a ring's older positions,
+    which the newer ones take the slots of)."""
     keys, values = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 3, 1)  # [B, K, T, H], [B, K, H, T]
     S, T = cache.keys.shape[2], k.shape[1]
     if positions is None and T <= S:
