@@ -19,6 +19,7 @@ from flax import nnx
 from core.generation.generate import COMPILER_OPTIONS, logits_of
 from core.generation.slot_sampling import Steering, pick
 from core.model import lora
+from core.model.cache import Cache
 
 CHUNK = 64  # prompt tokens an `extend` takes
 
@@ -58,12 +59,21 @@ class Programs:
         return self._fill(params, cache, tokens, length, slot, adapter, run)
 
     def _fill(self, params, cache, tokens, length, slot, adapter, run):
+        """`run` on row `slot` of the cache, read and written where it lies (`KeyValues.first`)."""
         model = self._model(params, adapter)
-        row = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=0), cache)
+        row = Cache(
+            tuple(layer._replace(first=slot) for layer in cache.layers),
+            jax.lax.dynamic_slice_in_dim(cache.lengths, slot, 1),
+            cache.memory,
+        )
         x, mask = model.embedder(tokens, jnp.arange(tokens.shape[1])[None, :] < length)
         hidden, row = run(model.body, x, mask, row)
         logits = logits_of(model, jnp.take_along_axis(hidden, (length - 1).reshape(1, 1, 1), axis=1))[0]
-        return logits, jax.tree.map(lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r, slot, axis=0), cache, row)
+        return logits, Cache(
+            tuple(layer._replace(first=None) for layer in row.layers),
+            jax.lax.dynamic_update_slice_in_dim(cache.lengths, row.lengths, slot, axis=0),
+            cache.memory,
+        )
 
     def _begin(self, steering, logits, slot, sampling, bias):
         """A request's first token from its prompt's `logits` [V], its `bias` (ids, values) set

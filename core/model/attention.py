@@ -38,7 +38,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from core.model.cache import held
+from core.model.cache import KeyValues, held
 from core.model.precision import einsum_product
 
 # Large but finite, so that a row with no visible key gives a uniform row instead of NaNs.
@@ -184,22 +184,23 @@ def _backward(causal, window, residuals, grad_out):
 blockwise_attention.defvjp(_forward, _backward)
 
 
-def cached_attention(q, k, v, cached_keys, cached_values, lengths, window: int | None = None):
+def cached_attention(q, k, v, cache: KeyValues, lengths, window: int | None = None):
     """New queries q [B, T, N, H], with their own keys and values k, v [B, T, K, H], that follow
-    the `lengths` [B] positions each row holds in a cache of keys [B', K, S, H] and values
-    [B', K, H, S] (B' >= B: the queries are its leading rows, a slot engine's step over a few of
-    its slots): each query sees the positions the row's cache holds (`core.model.cache.held`) and the
-    new keys up to its own (with a `window` W, those less than W positions behind it). Slots
-    that hold no position of the row yet (stale, or zeros) stay out of sight, so that rows of
-    different lengths share one fixed-shape program. -> [B, T, N, H].
+    the `lengths` [B] positions each row holds in a `cache` of keys [B', K, S, H] and values
+    [B', K, H, S] (B' >= B: the queries are its B rows from `cache.first`, a slot engine's step
+    over a few of its slots or its fill of one): each query sees the positions the row's cache
+    holds (`core.model.cache.held`) and the new keys up to its own (with a `window` W, those
+    less than W positions behind it). Slots that hold no position of the row yet (stale, or
+    zeros) stay out of sight, so that rows of different lengths share one fixed-shape program.
+    -> [B, T, N, H].
 
     One grouped softmax whatever the configured implementation: with a few queries against the
     cache, the work is reading the cache once, which no flash kernel shortens. U indexes the new
     keys, S the cache slots.
     """
     B, T, N, H = q.shape
+    cached_keys, cached_values, _ = cache.rows(B)
     K, S = k.shape[2], cached_keys.shape[2]
-    cached_keys, cached_values = cached_keys[:B], cached_values[:B]
     grouped = q.reshape(B, T, K, N // K, H)
     old = jnp.einsum("BTKGH,BKSH->BKGTS", grouped, cached_keys, preferred_element_type=jnp.float32)
     new = jnp.einsum("BTKGH,BUKH->BKGTU", grouped, k, preferred_element_type=jnp.float32)

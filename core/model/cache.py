@@ -24,25 +24,38 @@ class KeyValues(NamedTuple):
     Laid out so that a decode step's attention reads the cache as it lies, as two matrix-vector
     products per head that each run along rows of memory: with [B, S, K, H] XLA copied both
     into these orders at every step and layer, which halved decoding speed at batch 8.
+
+    `first`: the row that a chunk's first row reads and writes (None: row 0), so that a slot
+    engine fills one slot's row where it lies (`core.generation.slot_programs`): a row copied out
+    of the cache and back cost an `extend` of 64 tokens about as much as its products.
     """
 
     keys: jax.Array
     values: jax.Array
+    first: jax.Array | None = None
+
+    def rows(self, count: int) -> KeyValues:
+        """The `count` rows from `first` on, as a chunk of as many rows reads them."""
+        if self.first is None:
+            return KeyValues(self.keys[:count], self.values[:count])
+        return KeyValues(*(jax.lax.dynamic_slice_in_dim(a, self.first, count, axis=0) for a in self[:2]))
 
 
 def write(cache: KeyValues, k: jax.Array, v: jax.Array, positions: jax.Array | None, lengths: jax.Array) -> KeyValues:
     """`cache` with keys and values k, v [B, T, K, H] at `positions` [B, T] (None: 0..T-1, as a
-    prefill writes them) in slots p mod S of its leading B rows; `lengths` [B] is each row's
+    prefill writes them) in slots p mod S of its B rows from `first`; `lengths` [B] is each row's
     length once written. Only the positions a later query can see are written: none at or past a
     row's length (a prefill's padding) and none S or more behind it (a ring's older positions,
     which the newer ones take the slots of)."""
     keys, values = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 3, 1)  # [B, K, T, H], [B, K, H, T]
     S, T = cache.keys.shape[2], k.shape[1]
+    first = 0 if cache.first is None else cache.first
     if positions is None and T <= S:
         # A prefill that fits: one slice (padding lands past the row's length, where nothing reads it).
         return KeyValues(
-            jax.lax.dynamic_update_slice(cache.keys, keys.astype(cache.keys.dtype), (0, 0, 0, 0)),
-            jax.lax.dynamic_update_slice(cache.values, values.astype(cache.values.dtype), (0, 0, 0, 0)),
+            jax.lax.dynamic_update_slice(cache.keys, keys.astype(cache.keys.dtype), (first, 0, 0, 0)),
+            jax.lax.dynamic_update_slice(cache.values, values.astype(cache.values.dtype), (first, 0, 0, 0)),
+            cache.first,
         )
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(T), k.shape[:2])
@@ -50,10 +63,11 @@ def write(cache: KeyValues, k: jax.Array, v: jax.Array, positions: jax.Array | N
     # positions of a row never share a slot, so the order of the writes does not matter.
     kept = (positions < lengths[:, None]) & (positions >= lengths[:, None] - S)
     slots = jnp.where(kept, positions % S, S)  # S: out of range, dropped
-    rows = jnp.arange(k.shape[0])[:, None]
+    rows = first + jnp.arange(k.shape[0])[:, None]
     return KeyValues(
         cache.keys.at[rows, :, slots].set(k.astype(cache.keys.dtype), mode="drop"),
         cache.values.at[rows, :, :, slots].set(v.astype(cache.values.dtype), mode="drop"),
+        cache.first,
     )
 
 

@@ -160,7 +160,7 @@ class Attention(nnx.Module):
                 q, k, v, mask, causal=c.causal, implementation=c.attention, window=self.window, segments=segments
             )
         else:
-            y = cached_attention(q, k, v, cache.keys, cache.values, positions[:, 0], self.window)
+            y = cached_attention(q, k, v, cache, positions[:, 0], self.window)
         if cache is not None:
             if prefill:
                 lengths = mask.sum(-1, dtype=jnp.int32)
