@@ -43,7 +43,7 @@ FormatOpt = Annotated[
 ]
 OutputOpt = Annotated[Optional[Path], typer.Option("--output", "-o", metavar="FILE", help="Write here, not to stdout.")]
 DtypeOpt = Annotated[
-    str, typer.Option(metavar="DTYPE", help="Weights of generation: float32, or bfloat16 (faster products).")
+    str, typer.Option(metavar="DTYPE", help="Weights of generation: float32, bfloat16 or int8 (faster products).")
 ]
 
 

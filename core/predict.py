@@ -16,20 +16,23 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from flax import nnx
+
 from core.errors import UserError
 from core.loading import load, load_pretrained
 from core.model.precision import narrowed
 from core.options import predict_option_values
 from core.training.steps import evaluate_arrays
 
-# The weights a generating task decodes with: float32, or its linear layers' in bfloat16.
-DTYPES = ("float32", "bfloat16")
+# The weights a generating task decodes with: float32, its linear layers' in bfloat16, or those
+# and its token table in int8 (`core.model.precision.narrowed`).
+DTYPES = ("float32", "bfloat16", "int8")
 
 
 def check_dtype(dtype: str) -> None:
     """`--dtype` of `apps predict`, `apps serve` and `apps bench serve`: one of `DTYPES`."""
     if dtype not in DTYPES:
-        raise UserError(f"--dtype {dtype}: expected {' or '.join(DTYPES)}.")
+        raise UserError(f"--dtype {dtype}: expected {', '.join(DTYPES[:-1])} or {DTYPES[-1]}.")
 
 
 class Predictor:
@@ -53,18 +56,19 @@ class Predictor:
         dtype: str = "float32",
     ):
         """`dtype` "bfloat16": a generating task decodes with its linear layers' weights in
-        bfloat16 (`core.model.precision.narrowed`)."""
+        bfloat16; "int8": those and its token table in int8 (`core.model.precision.narrowed`)."""
         if (workdir is None) == (model is None):
             raise UserError("A Predictor reads a trained run (workdir) or a pretrained checkpoint (model): give one.")
         check_dtype(dtype)
         if dtype != "float32" and not task_type.generates:
-            raise UserError(f"{task_type.name} predicts in float32; bfloat16 weights serve generating tasks only.")
+            raise UserError(f"{task_type.name} predicts in float32; {dtype} weights serve generating tasks only.")
         if model is None:
             self.loaded = load(task_type, workdir, data)
         else:
             self.loaded = load_pretrained(task_type, model, data=data, whole_context=True)
         self.task, self.featurizer = self.loaded.task, self.loaded.featurizer
-        self.model = self.loaded.steps.decoder(narrowed(self.loaded.params, dtype))
+        graphdef, params = nnx.split(self.loaded.steps.decoder(self.loaded.params))
+        self.model = nnx.merge(graphdef, narrowed(params, dtype))
 
     def options(self, given: dict[str, Any]) -> dict[str, Any]:
         """Every `predict_options` value by name: the given ones (checked), else the defaults."""

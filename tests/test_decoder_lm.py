@@ -128,10 +128,11 @@ def test_bfloat16_decoding_weights_narrow_the_linear_layers_alone(tiny):
         nnx.merge(graphdef, precision.narrowed(params, "bfloat16")), [[2, 67, 68]], max_new_tokens=6
     )
     np.testing.assert_array_equal(generate.generate(narrow, [[2, 67, 68]], max_new_tokens=6).tokens, expected.tokens)
-    result = apps("predict", "lm", "--model", tiny, "--dtype", "bfloat16", "the", "--max-new-tokens", 4)
-    assert result.exit_code == 0, result.output
+    for dtype in ("bfloat16", "int8"):
+        result = apps("predict", "lm", "--model", tiny, "--dtype", dtype, "the", "--max-new-tokens", 4)
+        assert result.exit_code == 0, result.output
     result = apps("predict", "lm", "--model", tiny, "--dtype", "float16", "the")
-    assert result.exit_code == 1 and "--dtype float16: expected float32 or bfloat16" in plain(result.output)
+    assert result.exit_code == 1 and "--dtype float16: expected float32, bfloat16 or int8" in plain(result.output)
     with pytest.raises(UserError, match="sentiment predicts in float32"):
         run.Predictor(tasks.get("sentiment"), model=str(tiny), dtype="bfloat16")
 

@@ -263,27 +263,31 @@ def test_warm_up_compiles_every_prompt_width_once_and_requests_compile_nothing_m
     assert compiled() == counts and engine.kept._copy._cache_size() == 2
 
 
-def test_bfloat16_weights_decode_in_slots_as_the_narrowed_model_does_alone():
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+def test_narrow_weights_decode_in_slots_as_the_narrowed_model_does_alone(dtype):
     """An engine given dtype="bfloat16" holds every linear kernel in bfloat16 and nothing else
-    (the embeddings and norms stay float32), and its slots give, token for token, what the core's
-    generation gives each request alone with those weights."""
+    (the embeddings and norms stay float32), "int8" those kernels and the token table in int8
+    with float32 scales; its slots give, token for token, what the core's generation gives each
+    request alone with those weights."""
     import jax
-    import jax.numpy as jnp
     from flax import nnx
 
     from core.model.precision import narrowed
 
     model = language_model()
-    engine = Engine(model, slots=2, dtype="bfloat16")
+    engine = Engine(model, slots=2, dtype=dtype)
     dtypes = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(engine.params)[0]:
-        dtypes.setdefault("'kernel'" in jax.tree_util.keystr(path), set()).add(leaf.dtype)
-    assert dtypes == {True: {jnp.dtype(jnp.bfloat16)}, False: {jnp.dtype(jnp.float32)}}
+        dtypes.setdefault("'kernel'" in jax.tree_util.keystr(path), set()).add(leaf.dtype.name)
+    if dtype == "bfloat16":
+        assert dtypes == {True: {"bfloat16"}, False: {"float32"}}
+    else:
+        assert dtypes == {True: {"int8", "float32"}, False: {"int8", "float32"}}  # the table, the norms
     lengths = [6, 2, 9]
     collectors = [Collector() for _ in lengths]
     run_all(engine, [Request(PROMPTS[i], n, c) for i, (n, c) in enumerate(zip(lengths, collectors))], collectors)
     graphdef, params = nnx.split(model)
-    narrow = nnx.merge(graphdef, narrowed(params, "bfloat16"))
+    narrow = nnx.merge(graphdef, narrowed(params, dtype))
     for i, (new, collector) in enumerate(zip(lengths, collectors)):
         assert collector.tokens == list(generate(narrow, [PROMPTS[i]], max_new_tokens=new).tokens[0])
 

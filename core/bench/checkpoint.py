@@ -1,7 +1,7 @@
 """`apps bench decode --model NAME` and `apps bench finetune --model NAME`: a pretrained
 decoder's speed.
 
-Decoding: greedy, batch 1 and 8, with float32 and with bfloat16 weights (as
+Decoding: greedy, batch 1 and 8, with float32, bfloat16 and int8 weights (as
 `core.bench.decode` times it). Fine-tuning: its train step, every weight and LoRA, at 4 rows
 of 512 tokens, with float32 products and with bfloat16 ones (`train.matmul_dtype`).
 """
@@ -20,7 +20,7 @@ from core.errors import UserError
 from core.model.precision import narrowed
 from core.training.steps import build_model, make_steps
 
-PRETRAINED_DECODE = ((1, "float32"), (8, "float32"), (1, "bfloat16"), (8, "bfloat16"))
+PRETRAINED_DECODE = tuple((batch, dtype) for dtype in ("float32", "bfloat16", "int8") for batch in (1, 8))
 FINETUNE_BATCH, FINETUNE_LEN, LORA_RANK = 4, 512, 16
 FINETUNE_RUNS = ((0, "float32"), (0, "bfloat16"), (LORA_RANK, "float32"), (LORA_RANK, "bfloat16"))
 
@@ -33,7 +33,8 @@ def decode(name: str, console: Console) -> list[dict]:
         title=f"{name}: greedy decoding, {PROMPT_TOKENS}-token prompts, {NEW_TOKENS} new tokens",
         caption="new tok/s over the whole call, prefill included, best of 3 calls (median beside it); "
         "bfloat16: the linear layers' weights in bfloat16, multiplied in bfloat16 with float32 sums; "
-        "the activations, embeddings and cache in float32.",
+        "int8: those and the token table in int8, a scale per output, multiplied in int8 with int32 sums "
+        "(core.model.quantized); the activations and cache in float32.",
         columns=("weights", "batch", "new tok/s", "median", "call s", "compile s"),
     )
     results = []

@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from core.model import quantized
+
 
 class TokenEmbedder(nnx.Module):
     """A front end: token ids [B, T] and their mask -> vectors [B, T, D] and the same mask;
@@ -22,10 +24,11 @@ class TokenEmbedder(nnx.Module):
     def __init__(self, vocab_size: int, d_model: int, *, rngs: nnx.Rngs):
         init = nnx.initializers.normal(stddev=d_model**-0.5)
         self.embedding = nnx.Embed(vocab_size, d_model, embedding_init=init, rngs=rngs)
+        self.embedding.embedding = quantized.TokenTable(self.embedding.embedding[...])  # int8 decoding takes it
 
     def __call__(self, tokens: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
         # The table's own dtype, which is the compute dtype (nnx.Embed would promote to float32).
-        return jnp.take(self.embedding.embedding[...], tokens, axis=0), mask
+        return quantized.take(self.embedding.embedding[...], tokens), mask
 
 
 def mean_pool(hidden: jax.Array, mask: jax.Array) -> jax.Array:
@@ -88,8 +91,11 @@ class Projection(NamedTuple):
         return self.weight if self.shortlist is None else self.weight[self.shortlist]
 
     def logits(self) -> jax.Array:
-        rows = self.rows().astype(self.hidden.dtype)
-        logits = jnp.einsum("BTD,VD->BTV", self.hidden, rows).astype(jnp.float32)
+        rows = self.rows()
+        if isinstance(rows, quantized.Quantized):  # int8 decoding weights
+            logits = quantized.product(self.hidden.astype(jnp.float32), rows)
+        else:
+            logits = jnp.einsum("BTD,VD->BTV", self.hidden, rows.astype(self.hidden.dtype)).astype(jnp.float32)
         if self.shortlist is None:
             return logits
         full = jnp.full((*logits.shape[:-1], self.weight.shape[0]), -jnp.inf, jnp.float32)

@@ -25,6 +25,7 @@ from core.model.attention import (
 )
 from core.model.cache import KeyValues, write
 from core.model.precision import matmul
+from core.model.quantized import LinearKernel
 
 
 def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
@@ -88,7 +89,7 @@ class Dense(nnx.Module):
     def __init__(
         self, inputs: int, outputs: int, *, bias: bool = False, lora_rank: int = 0, lora_alpha: float = 16.0, rngs
     ):
-        self.kernel = nnx.Param(nnx.initializers.lecun_normal()(rngs.params(), (inputs, outputs)))
+        self.kernel = LinearKernel(nnx.initializers.lecun_normal()(rngs.params(), (inputs, outputs)))
         self.bias = nnx.Param(jnp.zeros((outputs,))) if bias else None
         if lora_rank:
             self.lora_a = nnx.Param(nnx.initializers.he_uniform()(rngs.params(), (inputs, lora_rank)))

@@ -5,7 +5,7 @@ in where it is narrower than their operands (`train.matmul_dtype`); `narrower` r
 `product`, `einsum_product` and `matmul` multiply in it with float32 sums; `transposed` lays an
 operand out so that XLA:CPU multiplies it in that dtype; `narrowed` gives decoding weights in a
 narrower dtype. The model's layers (`core.model.transformer`, `core.model.attention`) and the
-training losses import it; it imports nothing of the core.
+training losses import it; it imports `core.model.quantized` alone of the core.
 """
 
 from __future__ import annotations
@@ -18,6 +18,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
+
+from core.model import quantized
 
 
 def product(a: jax.Array, b: jax.Array, dtype) -> jax.Array:
@@ -81,7 +84,10 @@ def narrower(*dtypes) -> jnp.dtype:
 def matmul(x: jax.Array, kernel: jax.Array) -> jax.Array:
     """x [..., I] @ kernel [I, O] -> x's dtype, multiplied in the dtype of fewer bytes of the
     two and of `products_in` (`product`: bfloat16 weights with float32 activations multiply in
-    bfloat16), with a weight gradient that transposes the narrower operand (in shape)."""
+    bfloat16), with a weight gradient that transposes the narrower operand (in shape). An int8
+    kernel (decoding weights, `narrowed`) multiplies through `core.model.quantized`."""
+    if isinstance(kernel, quantized.Quantized):
+        return quantized.product(x, kernel)
     return _matmul(x, kernel, narrower(x.dtype, kernel.dtype))
 
 
@@ -126,9 +132,19 @@ def narrowed(params: Any, dtype: str) -> Any:
     rest (embeddings, norms, biases) as they are, so that the activations stay in float32. With
     "bfloat16" each product multiplies in bfloat16 with float32 sums (`core.model.precision.product`),
     about 1.5x faster than float32 at 2-16 rows on XLA:CPU. The cache stays in float32: XLA:CPU
-    scatters a bfloat16 one by converting all of it to float32 and back, at every step."""
+    scatters a bfloat16 one by converting all of it to float32 and back, at every step. With
+    "int8" the core's linear layers' kernels and the token table that a tied output shares
+    become int8 with a scale per output (`core.model.quantized`); Flax's own layers keep float32."""
     if dtype == "float32":
         return params
+    if dtype == "int8":
+        narrow = jax.tree.map(quantized.quantized, params, is_leaf=lambda v: isinstance(v, nnx.Variable))
+        leaves = jax.tree.leaves(narrow, is_leaf=lambda x: isinstance(x, quantized.Quantized))
+        if not any(isinstance(leaf, quantized.Quantized) for leaf in leaves):
+            raise ValueError(
+                "int8 weights come from an nnx state (nnx.split), whose variables mark the linear kernels."
+            )
+        return narrow
 
     def cast(path, leaf):
         return leaf.astype(dtype) if any(getattr(key, "key", None) == "kernel" for key in path) else leaf
