@@ -46,6 +46,25 @@ def test_the_int8_product_is_the_float_product_of_the_dequantized_matrix(rows):
         assert float(jnp.abs(got - exact).max()) > 0  # int8 indeed, not a float product
 
 
+def test_many_rows_multiply_in_bfloat16_with_the_int8_values_exact():
+    """From `WIDENED_ROWS` rows on (a long prompt, an encoder's frames) the int8 values widen to
+    bfloat16, which holds them exactly, and x rounds to bfloat16: the product is that of the
+    rounded x and the dequantized matrix, within float32 sums' error."""
+    x = jnp.asarray(RNG.standard_normal((quantized.WIDENED_ROWS, 64)).astype(np.float32))
+    for weight, matrix in (
+        (
+            q := quantized.quantize(jnp.asarray(RNG.standard_normal((64, 40)).astype(np.float32)), 0),
+            q.astype(jnp.float32),
+        ),
+        (
+            t := quantized.quantize(jnp.asarray(RNG.standard_normal((40, 64)).astype(np.float32)), 1),
+            t.astype(jnp.float32).T,
+        ),
+    ):
+        rounded = x.astype(jnp.bfloat16).astype(jnp.float32)
+        np.testing.assert_allclose(quantized.product(x, weight), rounded @ matrix, rtol=1e-5, atol=1e-5)
+
+
 def test_a_quantized_table_gives_its_rows_for_ids_and_a_shortlist():
     table = quantized.quantize(jnp.asarray(RNG.standard_normal((30, 8)).astype(np.float32)), 1)
     ids = jnp.asarray([[3, 0], [29, 3]])
