@@ -138,13 +138,12 @@ def narrowed(params: Any, dtype: str) -> Any:
     if dtype == "float32":
         return params
     if dtype == "int8":
-        narrow = jax.tree.map(quantized.quantized, params, is_leaf=lambda v: isinstance(v, nnx.Variable))
-        leaves = jax.tree.leaves(narrow, is_leaf=lambda x: isinstance(x, quantized.Quantized))
-        if not any(isinstance(leaf, quantized.Quantized) for leaf in leaves):
+        is_variable = lambda v: isinstance(v, nnx.Variable)  # noqa: E731
+        if not any(isinstance(v, quantized.LinearKernel) for v in jax.tree.leaves(params, is_leaf=is_variable)):
             raise ValueError(
                 "int8 weights come from an nnx state (nnx.split), whose variables mark the linear kernels."
             )
-        return narrow
+        return jax.tree.map(quantized.quantized, params, is_leaf=is_variable)
 
     def cast(path, leaf):
         return leaf.astype(dtype) if any(getattr(key, "key", None) == "kernel" for key in path) else leaf
