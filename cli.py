@@ -43,7 +43,11 @@ FormatOpt = Annotated[
 ]
 OutputOpt = Annotated[Optional[Path], typer.Option("--output", "-o", metavar="FILE", help="Write here, not to stdout.")]
 DtypeOpt = Annotated[
-    str, typer.Option(metavar="DTYPE", help="Weights of generation: float32, bfloat16 or int8 (faster products).")
+    str,
+    typer.Option(
+        metavar="DTYPE",
+        help="Weights of generation: float32, bfloat16, int8 or int4 (fewer bytes a token, faster decoding).",
+    ),
 ]
 
 

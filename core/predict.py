@@ -24,9 +24,10 @@ from core.model.precision import narrowed
 from core.options import predict_option_values
 from core.training.steps import evaluate_arrays
 
-# The weights a generating task decodes with: float32, its linear layers' in bfloat16, or those
-# and its token table in int8 (`core.model.precision.narrowed`).
-DTYPES = ("float32", "bfloat16", "int8")
+# The weights a generating task decodes with: float32, its linear layers' in bfloat16, those and
+# its token table in int8, or its linear layers' in four bits and the table in int8
+# (`core.model.precision.narrowed`).
+DTYPES = ("float32", "bfloat16", "int8", "int4")
 
 
 def check_dtype(dtype: str) -> None:
@@ -56,7 +57,8 @@ class Predictor:
         dtype: str = "float32",
     ):
         """`dtype` "bfloat16": a generating task decodes with its linear layers' weights in
-        bfloat16; "int8": those and its token table in int8 (`core.model.precision.narrowed`)."""
+        bfloat16; "int8": those and its token table in int8; "int4": its linear layers' in four
+        bits, the table in int8 (`core.model.precision.narrowed`)."""
         if (workdir is None) == (model is None):
             raise UserError("A Predictor reads a trained run (workdir) or a pretrained checkpoint (model): give one.")
         check_dtype(dtype)

@@ -21,7 +21,7 @@ MAX_FUNCTION_LINES = 60
 
 # The core's layers, bottom first; each package or top-level module of core/ is in exactly one.
 LAYERS = (
-    ("core.errors", "core.values"),
+    ("core.errors", "core.values", "core.paths"),
     ("core.config", "core.presets"),
     ("core.model",),  # the network: layers, attention, cache, heads, front ends, precision
     ("core.task", "core.options", "core.metrics"),  # the contract a task implements, its predict options

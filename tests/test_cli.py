@@ -46,7 +46,7 @@ def test_bench_is_a_group_whose_subcommands_name_their_choices():
         (["decode", "tiny"], "Unknown decode model tiny; choose from small, gpt2."),
         (["decode", "small", "--model", "x.gguf"], "give shapes of random weights or --model, not both"),
         (["serve", "--clients", "1,x"], "--clients '1,x': expected counts separated by commas"),
-        (["serve", "--dtype", "float16"], "--dtype float16: expected float32, bfloat16 or int8"),
+        (["serve", "--dtype", "float16"], "--dtype float16: expected float32, bfloat16, int8 or int4"),
         (["serve", "--seconds", "0"], "seconds must be positive, slots at least 2"),
     ]:
         result = apps("bench", *args)

@@ -132,7 +132,7 @@ def test_bfloat16_decoding_weights_narrow_the_linear_layers_alone(tiny):
         result = apps("predict", "lm", "--model", tiny, "--dtype", dtype, "the", "--max-new-tokens", 4)
         assert result.exit_code == 0, result.output
     result = apps("predict", "lm", "--model", tiny, "--dtype", "float16", "the")
-    assert result.exit_code == 1 and "--dtype float16: expected float32, bfloat16 or int8" in plain(result.output)
+    assert result.exit_code == 1 and "--dtype float16: expected float32, bfloat16, int8 or int4" in plain(result.output)
     with pytest.raises(UserError, match="sentiment predicts in float32"):
         run.Predictor(tasks.get("sentiment"), model=str(tiny), dtype="bfloat16")
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from helpers import check_against_reference, pretrained_decoder
 
+from core import paths
 from core.checkpoints import gemma, pretrained
 from tasks.common.tokenizer import PretrainedTokenizer
 
@@ -27,7 +28,7 @@ def gemma3():
 
 def test_the_parts_are_joined_once_and_checked(gemma3, tmp_path, monkeypatch):
     checkpoint, _, _ = gemma3
-    assert checkpoint.weights == pretrained.cache_folder() / gemma.FILE
+    assert checkpoint.weights == paths.cache_folder() / gemma.FILE
     assert checkpoint.weights.stat().st_size == 253_113_024
     # A joined file that changed is joined again.
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))

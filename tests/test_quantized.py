@@ -20,13 +20,15 @@ RNG = np.random.default_rng(0)
 
 def test_a_kernel_is_int8_within_half_a_step_of_each_column():
     """Each column's scale is its largest magnitude over 127; every weight lies within half a
-    scale of its int8 value times the scale, and the largest of a column is exact."""
+    scale of its int8 value times the scale, and the largest of a column is exact. The values
+    are kept one row per output (the kernel transposed)."""
     kernel = jnp.asarray(RNG.standard_normal((48, 20)).astype(np.float32))
     q = quantized.quantize(kernel, 0)
-    assert q.values.dtype == jnp.int8 and q.scales.shape == (1, 20)
-    np.testing.assert_allclose(q.scales[0], np.abs(kernel).max(0) / 127, rtol=1e-6)
-    assert np.all(np.abs(q.astype(jnp.float32) - kernel) <= q.scales / 2 * (1 + 1e-5))
-    assert np.all(np.abs(q.values).max(0) == 127)
+    assert q.values.dtype == jnp.int8 and q.values.shape == (20, 48) and q.scales.shape == (20, 1)
+    assert q.shape == (48, 20) and q.astype(jnp.float32).shape == (48, 20)
+    np.testing.assert_allclose(q.scales[:, 0], np.abs(kernel).max(0) / 127, rtol=1e-6)
+    assert np.all(np.abs(q.astype(jnp.float32) - kernel) <= q.scales.T / 2 * (1 + 1e-5))
+    assert np.all(np.abs(q.values).max(1) == 127)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 7])

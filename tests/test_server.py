@@ -662,7 +662,7 @@ def test_serving_beyond_loopback_needs_a_key_and_an_unknown_dtype_is_refused(tmp
     result = apps("serve", "--model", tiny, "--host", "0.0.0.0")
     assert result.exit_code == 1 and "give --api-key" in " ".join(result.output.split())
     result = apps("serve", "--model", tiny, "--dtype", "float16")
-    assert result.exit_code == 1 and "--dtype float16: expected float32, bfloat16 or int8" in " ".join(
+    assert result.exit_code == 1 and "--dtype float16: expected float32, bfloat16, int8 or int4" in " ".join(
         result.output.split()
     )
     result = apps("serve", "--model", "no-such-model")  # named with the checkpoints it could serve

@@ -1,7 +1,7 @@
 """`apps bench decode --model NAME` and `apps bench finetune --model NAME`: a pretrained
 decoder's speed.
 
-Decoding: greedy, batch 1 and 8, with float32, bfloat16 and int8 weights (as
+Decoding: greedy, batch 1 and 8, with float32, bfloat16, int8 and int4 weights (as
 `core.bench.decode` times it). Fine-tuning: its train step, every weight and LoRA, at 4 rows
 of 512 tokens, with float32 products and with bfloat16 ones (`train.matmul_dtype`).
 """
@@ -20,7 +20,7 @@ from core.errors import UserError
 from core.model.precision import narrowed
 from core.training.steps import build_model, make_steps
 
-PRETRAINED_DECODE = tuple((batch, dtype) for dtype in ("float32", "bfloat16", "int8") for batch in (1, 8))
+PRETRAINED_DECODE = tuple((batch, dtype) for dtype in ("float32", "bfloat16", "int8", "int4") for batch in (1, 8))
 FINETUNE_BATCH, FINETUNE_LEN, LORA_RANK = 4, 512, 16
 FINETUNE_RUNS = ((0, "float32"), (0, "bfloat16"), (LORA_RANK, "float32"), (LORA_RANK, "bfloat16"))
 
@@ -34,7 +34,9 @@ def decode(name: str, console: Console) -> list[dict]:
         caption="new tok/s over the whole call, prefill included, best of 3 calls (median beside it); "
         "bfloat16: the linear layers' weights in bfloat16, multiplied in bfloat16 with float32 sums; "
         "int8: those and the token table in int8, a scale per output, multiplied in int8 with int32 sums "
-        "(core.model.quantized); the activations and cache in float32.",
+        "(core.model.quantized); int4: the linear layers' weights in four bits, groups of 32 with a scale and "
+        "offset, multiplied by our kernel in float32 sums (core.model.int4), the table int8; the activations "
+        "and cache in float32.",
         columns=("weights", "batch", "new tok/s", "median", "call s", "compile s"),
     )
     results = []

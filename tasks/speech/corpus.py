@@ -24,7 +24,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import os
 import re
 import shutil
 from dataclasses import asdict, dataclass
@@ -32,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from core.paths import cache_folder
 from tasks.common.splits import hash_split
 from tasks.speech import audio as audio_lib
 from tasks.speech.scoring import DIGITS, normalize
@@ -163,7 +163,7 @@ def render(utterance: Utterance) -> np.ndarray:
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "apps" / "speech"
+    return cache_folder() / "speech"
 
 
 def settings(preset: str, sizes: dict[str, int], seed: int) -> dict:

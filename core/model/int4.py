@@ -1,0 +1,97 @@
+"""Four-bit decoding weights: a linear layer's kernel in groups of 32 inputs, each group's
+weights as integers 0-15 with a float32 scale and offset (w = q * scale + offset, the layout of
+llama.cpp's Q4_1, which llama-server serves SmolLM2 in), two to a byte.
+
+A decoding step reads every weight once, and on this CPU its time is those bytes: SmolLM2's
+linear layers read 106 MB a token in int8, 66 MB in four bits (0.625 bytes a weight with the
+group's scale and offset). XLA has no product that reads four-bit weights in place, so the few
+rows of a decoding step go through `core.model.native` (our kernel: the weights widen to float32
+in registers, float32 sums); more rows (a prompt), or a machine where that kernel cannot be
+built, dequantize the matrix to bfloat16 and multiply through XLA. The token table stays int8
+(`core.model.quantized`): it gives most of int8's loss of accuracy already.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from core.model import native
+
+GROUP = 32
+_LEVELS = 15.0
+# Products of fewer rows go through `core.model.native`.
+NATIVE_ROWS = 64
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Int4:
+    """A kernel [I, O] in four bits, stored one row per output: `values` [O, I/2] uint8 (byte k
+    of group g: weight 32g + k in its low four bits, 32g + 16 + k in its high four), `scales`
+    and `offsets` [O, I/32] float32."""
+
+    values: jax.Array
+    scales: jax.Array
+    offsets: jax.Array
+
+    def __getitem__(self, key):
+        """[...] (an nnx variable read whole): itself."""
+        if key is not Ellipsis:
+            raise TypeError("A four-bit kernel is read whole ([...]) or multiplied.")
+        return self
+
+    def rows(self) -> jax.Array:
+        """The dequantized matrix one row per output, [O, I] float32."""
+        outputs = self.values.shape[0]
+        packed = self.values.reshape(outputs, -1, GROUP // 2)  # [O, groups, 16]
+        q = jnp.concatenate([packed & 15, packed >> 4], axis=-1)  # weights 32g + k, then 32g + 16 + k
+        weights = q.astype(jnp.float32) * self.scales[..., None] + self.offsets[..., None]
+        return weights.reshape(outputs, -1)
+
+    def astype(self, dtype) -> jax.Array:
+        """The kernel [I, O] in `dtype`, dequantized."""
+        return self.rows().T.astype(dtype)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.values.shape[1] * 2, self.values.shape[0])
+
+    @property
+    def dtype(self):
+        return self.values.dtype
+
+
+def fits(kernel: jax.Array) -> bool:
+    """Whether a kernel [I, O] divides into groups of `GROUP` inputs."""
+    return kernel.ndim == 2 and kernel.shape[0] % GROUP == 0
+
+
+def quantize(kernel: jax.Array) -> Int4:
+    """A kernel [I, O] (I a multiple of `GROUP`) -> four bits a weight: each group of 32 inputs
+    of an output spans its minimum to its maximum in 15 steps, both ends exact."""
+    rows = jnp.asarray(kernel, jnp.float32).T
+    outputs, inputs = rows.shape
+    groups = rows.reshape(outputs, inputs // GROUP, GROUP)
+    low, high = groups.min(-1), groups.max(-1)
+    scales = jnp.maximum(high - low, 1e-30) / _LEVELS
+    q = jnp.clip(jnp.round((groups - low[..., None]) / scales[..., None]), 0, _LEVELS).astype(jnp.uint8)
+    packed = q[..., : GROUP // 2] | q[..., GROUP // 2 :] << 4
+    return Int4(packed.reshape(outputs, inputs // 2), scales, low)
+
+
+def product(x: jax.Array, weight: Int4) -> jax.Array:
+    """x [..., I] @ the kernel -> [..., O] in x's dtype: fewer than `NATIVE_ROWS` rows through our
+    kernel in float32 sums, more (or without it) through the matrix dequantized to bfloat16."""
+    lead = x.shape[:-1]
+    rows = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+    if rows.shape[0] < NATIVE_ROWS and native.available():
+        y = native.int4_rows(rows, weight.values, weight.scales, weight.offsets)
+    else:
+        matrix = weight.rows().astype(jnp.bfloat16)
+        y = jax.lax.dot_general(
+            rows.astype(jnp.bfloat16), matrix, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+        )
+    return y.reshape(*lead, -1).astype(x.dtype)

@@ -1,0 +1,233 @@
+// Int4 weights times float32 rows on the CPU, for the few rows of a decoding step
+// (core/model/native.py builds this file and registers it with XLA; core/model/int4.py calls it):
+//   y[r, o] = sum_g scales[o, g] * sum_j x[r, 32g + j] * q[o, 32g + j] + offsets[o, g] * sum_j x[r, 32g + j]
+// where q in [0, 15] are the weights of output o, two to a byte: byte k of group g holds weight
+// 32g + k in its low four bits and 32g + 16 + k in its high four.
+//
+// Why a kernel of our own: a decoding step reads every weight once, so its time is the bytes it
+// reads, and XLA has no product that reads four-bit weights without writing them out wider
+// first. Here each output's weights lie in one contiguous row, read in order through the matrix
+// (the hardware prefetcher's best case), widened to float32 in registers and multiplied with the
+// float32 activations in float32 sums. Work is split by outputs over XLA's intra-op threads.
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <thread>
+
+#include <unistd.h>
+#include <vector>
+#include <memory>
+#include <mutex>
+
+#include <immintrin.h>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+#if defined(__AVX512F__)
+using Vec = __m512;
+constexpr int kLanes = 16;
+// The 32 weights of a group from its 16 bytes, as float32 vectors in order.
+static inline void group(const uint8_t* p, Vec* w) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), low = _mm_set1_epi8(0x0F);
+  w[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, low)));
+  w[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), low)));
+}
+static inline Vec load(const float* p) { return _mm512_loadu_ps(p); }
+static inline Vec zero() { return _mm512_setzero_ps(); }
+static inline Vec fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline float total(Vec v) { return _mm512_reduce_add_ps(v); }
+static inline Vec broadcast(float v) { return _mm512_set1_ps(v); }
+static inline Vec mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+#elif defined(__AVX2__) && defined(__FMA__)
+using Vec = __m256;
+constexpr int kLanes = 8;
+static inline void group(const uint8_t* p, Vec* w) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), low = _mm_set1_epi8(0x0F);
+  const __m128i first = _mm_and_si128(bytes, low), second = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
+  w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(first));
+  w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(first, 8)));
+  w[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(second));
+  w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(second, 8)));
+}
+static inline Vec load(const float* p) { return _mm256_loadu_ps(p); }
+static inline Vec zero() { return _mm256_setzero_ps(); }
+static inline Vec fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline Vec broadcast(float v) { return _mm256_set1_ps(v); }
+static inline Vec mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+static inline float total(Vec v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_hadd_ps(s, s);
+  return _mm_cvtss_f32(_mm_hadd_ps(s, s));
+}
+#else
+#error "int4 rows need AVX2 and FMA, or AVX-512"
+#endif
+
+constexpr int64_t kGroup = 32, kVectors = kGroup / kLanes;
+
+// sum_k a[k] * b[k] for k < n.
+static inline float dot(const float* a, const float* b, int64_t n) {
+  Vec sum = zero();
+  int64_t k = 0;
+  for (; k + kLanes <= n; k += kLanes) sum = fma(load(a + k), load(b + k), sum);
+  float rest = total(sum);
+  for (; k < n; ++k) rest += a[k] * b[k];
+  return rest;
+}
+
+// Outputs [o, o + OUTS) for ROWS rows of x from x[0] (their group sums from sums[0]): the
+// outputs' sums run side by side, each group's weights widened once for all the rows.
+template <int ROWS, int OUTS>
+static void block(const float* x, const float* sums, const uint8_t* values, const float* scales,
+                  const float* offsets, float* y, int64_t inputs, int64_t outputs, int64_t o) {
+  const int64_t groups = inputs / kGroup;
+  Vec acc[ROWS][OUTS];
+  for (int r = 0; r < ROWS; ++r)
+    for (int u = 0; u < OUTS; ++u) acc[r][u] = zero();
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int u = 0; u < OUTS; ++u) {
+      Vec w[kVectors];
+      group(values + (o + u) * inputs / 2 + g * kGroup / 2, w);
+      const Vec s = broadcast(scales[(o + u) * groups + g]);
+      for (int r = 0; r < ROWS; ++r) {
+        const float* xs = x + r * inputs + g * kGroup;
+        Vec part = mul(load(xs), w[0]);
+        for (int k = 1; k < kVectors; ++k) part = fma(load(xs + k * kLanes), w[k], part);
+        acc[r][u] = fma(s, part, acc[r][u]);
+      }
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int u = 0; u < OUTS; ++u)
+      y[r * outputs + o + u] = total(acc[r][u]) + dot(offsets + (o + u) * groups, sums + r * groups, groups);
+}
+
+template <int ROWS>
+static void rows_block(const float* x, const float* sums, const uint8_t* values, const float* scales,
+                       const float* offsets, float* y, int64_t inputs, int64_t outputs, int64_t begin, int64_t end) {
+  int64_t o = begin;
+  for (; o + 4 <= end; o += 4) block<ROWS, 4>(x, sums, values, scales, offsets, y, inputs, outputs, o);
+  for (; o < end; ++o) block<ROWS, 1>(x, sums, values, scales, offsets, y, inputs, outputs, o);
+}
+
+// Outputs [begin, end) for all rows, two rows at a time.
+static void outputs_range(const float* x, const float* sums, const uint8_t* values, const float* scales,
+                          const float* offsets, float* y, int64_t rows, int64_t inputs, int64_t outputs,
+                          int64_t begin, int64_t end) {
+  const int64_t groups = inputs / kGroup;
+  int64_t r = 0;
+  for (; r + 2 <= rows; r += 2)
+    rows_block<2>(x + r * inputs, sums + r * groups, values, scales, offsets, y + r * outputs, inputs, outputs, begin, end);
+  if (r < rows)
+    rows_block<1>(x + r * inputs, sums + r * groups, values, scales, offsets, y + r * outputs, inputs, outputs, begin, end);
+}
+
+// A job of n pieces that threads take one at a time until none is left.
+struct Job {
+  const std::function<void(int64_t)>* body = nullptr;
+  int64_t n = 0;
+  std::atomic<int64_t> next{0}, done{0};
+  void work() {
+    for (int64_t k; (k = next.fetch_add(1)) < n; done.fetch_add(1)) (*body)(k);
+  }
+};
+
+// One helper thread of our own, started on first use, that spins for a while after each job
+// before it sleeps: a decoding step calls the kernel a few hundred times, a tenth of a
+// millisecond each, and a thread woken from sleep for each call (XLA's intra-op pool) starts
+// too late to take a share.
+class Helper {
+ public:
+  static Helper& get() {
+    static Helper* helper = new Helper();  // never destroyed: its thread runs to the process's end
+    return *helper;
+  }
+
+  // body(k) for k in [0, n) on the calling thread and the helper; on the caller alone while
+  // another caller has the helper.
+  void run(int64_t n, const std::function<void(int64_t)>& body) {
+    std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
+    if (!busy.owns_lock() || n < 2 || getpid() != process_) {  // a forked child has no helper
+      for (int64_t k = 0; k < n; ++k) body(k);
+      return;
+    }
+    job_.body = &body;
+    job_.n = n;
+    job_.next.store(0);
+    job_.done.store(0);
+    {
+      std::lock_guard<std::mutex> lock(sleep_);
+      posted_.fetch_add(1, std::memory_order_release);
+    }
+    wake_.notify_one();
+    job_.work();
+    while (job_.done.load(std::memory_order_acquire) < n) _mm_pause();
+    // The helper may still be about to read `next`; wait until it is back to waiting.
+    while (taken_.load(std::memory_order_acquire) != posted_.load()) _mm_pause();
+  }
+
+ private:
+  Helper() : process_(getpid()) { std::thread([this] { loop(); }).detach(); }
+
+  void loop() {
+    for (uint64_t seen = 0;;) {
+      for (int spin = 0; posted_.load(std::memory_order_acquire) == seen && spin < kSpins; ++spin) _mm_pause();
+      if (posted_.load(std::memory_order_acquire) == seen) {
+        std::unique_lock<std::mutex> lock(sleep_);
+        wake_.wait(lock, [&] { return posted_.load() != seen; });
+      }
+      seen = posted_.load(std::memory_order_acquire);
+      job_.work();
+      taken_.store(seen, std::memory_order_release);
+    }
+  }
+
+  static constexpr int kSpins = 2000;  // about a tenth of a millisecond of pauses
+  const pid_t process_;
+  Job job_;
+  std::mutex busy_, sleep_;
+  std::condition_variable wake_;
+  std::atomic<uint64_t> posted_{0}, taken_{0};
+};
+
+using Rows = ffi::Buffer<ffi::F32, 2>;
+using Values = ffi::Buffer<ffi::U8, 2>;
+using Scales = ffi::Buffer<ffi::F32, 2>;
+
+static ffi::Error Int4RowsImpl(Rows x, Values values, Scales scales, Scales offsets,
+                               ffi::ResultBuffer<ffi::F32, 2> y) {
+  const int64_t rows = x.dimensions()[0], inputs = x.dimensions()[1];
+  const int64_t outputs = values.dimensions()[0], groups = inputs / kGroup;
+  if (inputs % kGroup || values.dimensions()[1] * 2 != inputs || scales.dimensions()[0] != outputs ||
+      scales.dimensions()[1] != groups || offsets.dimensions()[0] != outputs || offsets.dimensions()[1] != groups)
+    return ffi::Error::InvalidArgument("int4_rows: x [R, I], values [O, I/2], scales and offsets [O, I/32] disagree");
+  const float* xs = x.typed_data();
+  std::vector<float> sums(rows * groups, 0.0f);  // each row's sum over each group: the offsets' factor
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < inputs; ++i) sums[r * groups + i / kGroup] += xs[r * inputs + i];
+  // Sixteen pieces, so that the two threads finish together.
+  const int64_t pieces = std::max<int64_t>(1, std::min<int64_t>(outputs / 4, 16));
+  const int64_t step = (outputs + pieces - 1) / pieces;
+  const float* ss = sums.data();
+  const uint8_t* vs = values.typed_data();
+  const float *sc = scales.typed_data(), *of = offsets.typed_data();
+  float* ys = y->typed_data();
+  const std::function<void(int64_t)> piece = [=](int64_t k) {
+    const int64_t begin = k * step, end = std::min(outputs, (k + 1) * step);
+    if (begin < end) outputs_range(xs, ss, vs, sc, of, ys, rows, inputs, outputs, begin, end);
+  };
+  Helper::get().run(pieces, piece);
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Int4Rows, Int4RowsImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<Rows>()
+                                  .Arg<Values>()
+                                  .Arg<Scales>()
+                                  .Arg<Scales>()
+                                  .Ret<Rows>());
