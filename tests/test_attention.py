@@ -144,3 +144,34 @@ def test_a_sliding_window_sees_the_last_w_positions(implementation):
     ):
         for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
             np.testing.assert_allclose(x, y, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "lengths,window,slots",
+    [
+        ([3, 5], None, 512),
+        ([3, 70, 200], None, 512),
+        ([0, 64, 65], None, 512),
+        ([3, 511], None, 512),
+        ([40, 300, 700], 256, 256),
+        ([10, 100], 256, 256),
+    ],
+)
+def test_cached_attention_reads_the_slots_in_use_and_gives_what_reading_all_gives(lengths, window, slots):
+    """A decode step reads the shortest leading span of the cache (S/8 .. S) that holds every
+    row's positions: the same outputs as the whole cache, for rows of very different lengths,
+    at a span's edge, and for a sliding window's ring once it has wrapped (700 > 256 slots)."""
+    from core.model.attention import _attend, cached_attention
+    from core.model.cache import KeyValues
+
+    rng = np.random.default_rng(len(lengths) + slots)
+    B, T, N, K, H = len(lengths), 1, 4, 2, 8
+    q = jnp.asarray(rng.standard_normal((B, T, N, H)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((B, T, K, H)), jnp.float32) for _ in range(2))
+    cache = KeyValues(
+        *(jnp.asarray(rng.standard_normal(shape), jnp.float32) for shape in ((B, K, slots, H), (B, K, H, slots)))
+    )
+    lengths = jnp.asarray(lengths)
+    got = jax.jit(cached_attention, static_argnums=5)(q, k, v, cache, lengths, window)
+    whole = _attend(q, k, v, cache, lengths, window, slots)
+    np.testing.assert_allclose(got, whole, rtol=1e-5, atol=1e-6)
