@@ -8,20 +8,20 @@
 // reads, and XLA has no product that reads four-bit weights without writing them out wider
 // first. Here each output's weights lie in one contiguous row, read in order through the matrix
 // (the hardware prefetcher's best case), widened to float32 in registers and multiplied with the
-// float32 activations in float32 sums. Work is split by outputs over XLA's intra-op threads.
+// float32 activations in float32 sums. Work is split by outputs between the calling thread and
+// a helper thread of our own (`Helper`).
+#include <immintrin.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
-#include <thread>
-
-#include <unistd.h>
-#include <vector>
-#include <memory>
 #include <mutex>
-
-#include <immintrin.h>
+#include <thread>
+#include <tuple>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -106,24 +106,34 @@ static void block(const float* x, const float* sums, const uint8_t* values, cons
       y[r * outputs + o + u] = total(acc[r][u]) + dot(offsets + (o + u) * groups, sums + r * groups, groups);
 }
 
-template <int ROWS>
+template <int ROWS, int OUTS>
 static void rows_block(const float* x, const float* sums, const uint8_t* values, const float* scales,
                        const float* offsets, float* y, int64_t inputs, int64_t outputs, int64_t begin, int64_t end) {
   int64_t o = begin;
-  for (; o + 4 <= end; o += 4) block<ROWS, 4>(x, sums, values, scales, offsets, y, inputs, outputs, o);
+  for (; o + OUTS <= end; o += OUTS) block<ROWS, OUTS>(x, sums, values, scales, offsets, y, inputs, outputs, o);
   for (; o < end; ++o) block<ROWS, 1>(x, sums, values, scales, offsets, y, inputs, outputs, o);
 }
 
-// Outputs [begin, end) for all rows, two rows at a time.
+// Outputs [begin, end) for all rows: four rows at a time by two outputs (each group's weights
+// widened once for the four), then two or one by four outputs (more sums side by side).
 static void outputs_range(const float* x, const float* sums, const uint8_t* values, const float* scales,
                           const float* offsets, float* y, int64_t rows, int64_t inputs, int64_t outputs,
                           int64_t begin, int64_t end) {
   const int64_t groups = inputs / kGroup;
+  auto at = [&](int64_t r) { return std::make_tuple(x + r * inputs, sums + r * groups, y + r * outputs); };
   int64_t r = 0;
-  for (; r + 2 <= rows; r += 2)
-    rows_block<2>(x + r * inputs, sums + r * groups, values, scales, offsets, y + r * outputs, inputs, outputs, begin, end);
-  if (r < rows)
-    rows_block<1>(x + r * inputs, sums + r * groups, values, scales, offsets, y + r * outputs, inputs, outputs, begin, end);
+  for (; r + 4 <= rows; r += 4) {
+    auto [xr, sr, yr] = at(r);
+    rows_block<4, 2>(xr, sr, values, scales, offsets, yr, inputs, outputs, begin, end);
+  }
+  for (; r + 2 <= rows; r += 2) {
+    auto [xr, sr, yr] = at(r);
+    rows_block<2, 4>(xr, sr, values, scales, offsets, yr, inputs, outputs, begin, end);
+  }
+  if (r < rows) {
+    auto [xr, sr, yr] = at(r);
+    rows_block<1, 4>(xr, sr, values, scales, offsets, yr, inputs, outputs, begin, end);
+  }
 }
 
 // A job of n pieces that threads take one at a time until none is left.
@@ -186,7 +196,7 @@ class Helper {
     }
   }
 
-  static constexpr int kSpins = 2000;  // about a tenth of a millisecond of pauses
+  static constexpr int kSpins = 2000;  // pauses (tens of microseconds): longer than the gaps between a step's products
   const pid_t process_;
   Job job_;
   std::mutex busy_, sleep_;
