@@ -225,9 +225,8 @@ def _attend(q, k, v, cache: KeyValues, lengths, window: int | None, span: int):
     old = jnp.einsum("BTKGH,BKSH->BKGTS", grouped, cached_keys, preferred_element_type=jnp.float32)
     new = jnp.einsum("BTKGH,BUKH->BKGTU", grouped, k, preferred_element_type=jnp.float32)
     scores = jnp.concatenate([old, new], axis=-1) * H**-0.5  # [B, K, G, T, S + U]
-    positions = held(lengths, cache.keys.shape[2])[
-        :, :span
-    ]  # [B, S]; a ring's slots hold the window's latest positions
+    # [B, S]: a ring's slots hold the window's latest positions; the span holds every one in use.
+    positions = held(lengths, cache.keys.shape[2])[:, :span]
     cached = jnp.broadcast_to((positions >= 0)[:, None, :], (B, T, S))
     causal = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool))[None], (B, T, T))
     if window is not None:

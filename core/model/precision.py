@@ -84,9 +84,9 @@ def narrower(*dtypes) -> jnp.dtype:
 def matmul(x: jax.Array, kernel: jax.Array) -> jax.Array:
     """x [..., I] @ kernel [I, O] -> x's dtype, multiplied in the dtype of fewer bytes of the
     two and of `products_in` (`product`: bfloat16 weights with float32 activations multiply in
-    bfloat16), with a weight gradient that transposes the narrower operand (in shape). An int8
-    kernel (decoding weights, `narrowed`) multiplies through `core.model.quantized`."""
-    if isinstance(kernel, (quantized.Quantized, quantized.int4.Int4)):
+    bfloat16), with a weight gradient that transposes the narrower operand (in shape). An int8 or
+    int4 kernel (decoding weights, `narrowed`) multiplies through `core.model.quantized`."""
+    if isinstance(kernel, quantized.WEIGHTS):
         return quantized.product(x, kernel)
     return _matmul(x, kernel, narrower(x.dtype, kernel.dtype))
 

@@ -78,6 +78,10 @@ class Quantized:
         return self.values.dtype
 
 
+# Decoding weights that `product` multiplies (`core.model.precision.matmul` sends them here).
+WEIGHTS = (Quantized, int4.Int4)
+
+
 def quantize(matrix: jax.Array, axis: int) -> Quantized:
     """matrix -> its int8 values and float32 scales, one per output, symmetric, from the absolute
     maximum: `axis` 0 for a kernel [I, O] (a scale per column, stored transposed), 1 for a table
