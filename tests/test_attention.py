@@ -10,7 +10,9 @@ import pytest
 
 from core.config import apply_overrides
 from core.errors import UserError
-from core.model.attention import attention, library_arguments, score_fraction
+from core.model import native
+from core.model.attention import _attend, attention, cached_attention, library_arguments, score_fraction
+from core.model.cache import KeyValues
 from tasks.nlp.sentiment import tiny
 
 
@@ -157,12 +159,12 @@ def test_a_sliding_window_sees_the_last_w_positions(implementation):
         ([10, 100], 256, 256),
     ],
 )
-def test_cached_attention_reads_the_slots_in_use_and_gives_what_reading_all_gives(lengths, window, slots):
-    """A decode step reads the shortest leading span of the cache (S/8 .. S) that holds every
-    row's positions: the same outputs as the whole cache, for rows of very different lengths,
-    at a span's edge, and for a sliding window's ring once it has wrapped (700 > 256 slots)."""
-    from core.model.attention import _attend, cached_attention
-    from core.model.cache import KeyValues
+def test_cached_attention_reads_the_slots_in_use_and_gives_what_reading_all_gives(lengths, window, slots, monkeypatch):
+    """Through XLA (without our kernel), a decode step reads the shortest leading span of the
+    cache (S/8 .. S) that holds every row's positions: the same outputs as the whole cache, for
+    rows of very different lengths, at a span's edge, and for a sliding window's ring once it
+    has wrapped (700 > 256 slots)."""
+    monkeypatch.setattr(native, "available", lambda: False)
 
     rng = np.random.default_rng(len(lengths) + slots)
     B, T, N, K, H = len(lengths), 1, 4, 2, 8
@@ -175,3 +177,35 @@ def test_cached_attention_reads_the_slots_in_use_and_gives_what_reading_all_give
     got = jax.jit(cached_attention, static_argnums=5)(q, k, v, cache, lengths, window)
     whole = _attend(q, k, v, cache, lengths, window, slots)
     np.testing.assert_allclose(got, whole, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not native.available(), reason="no C++ compiler, or a CPU without AVX2 and FMA")
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize(
+    "lengths,window,slots,size",
+    [
+        ([0, 1, 17, 300, 511], None, 512, 64),  # none held, one, a vector and a tail, nearly full
+        ([3, 70, 200], None, 256, 8),  # heads narrower than a vector
+        ([40, 300, 700], 256, 256, 64),  # a sliding window's ring, wrapped
+        ([5, 260, 1000], 100, 128, 16),  # a window shorter than the ring: older slots out of sight
+    ],
+)
+def test_our_kernel_attends_each_row_over_its_own_slots_as_xla_over_the_whole_cache(
+    lengths, window, slots, size, dtype
+):
+    """One query a row goes through our kernel on the CPU, which reads each row's slots alone
+    (rows `first` on of a larger cache, as a slot engine's step over some of its rows): what
+    XLA gives reading every slot of the cache, float32 or bfloat16 (widened as XLA widens it),
+    three query heads to each key head."""
+    rng = np.random.default_rng(slots + size)
+    B, N, K, first = len(lengths), 6, 2, 1
+    q = jnp.asarray(rng.standard_normal((B, 1, N, size)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((B, 1, K, size)), jnp.float32) for _ in range(2))
+    shapes = (B + 2, K, slots, size), (B + 2, K, size, slots)
+    cache = KeyValues(*(jnp.asarray(rng.standard_normal(shape), dtype) for shape in shapes), jnp.int32(first))
+    lengths = jnp.asarray(lengths, jnp.int32)
+    got = jax.jit(cached_attention, static_argnums=5)(q, k, v, cache, lengths, window)
+    widened = KeyValues(cache.keys.astype(jnp.float32), cache.values.astype(jnp.float32), cache.first)
+    whole = _attend(q, k, v, widened, lengths, window, slots)
+    assert got.shape == q.shape and got.dtype == jnp.float32
+    np.testing.assert_allclose(got, whole, rtol=2e-5, atol=2e-6)

@@ -66,7 +66,7 @@ def test_a_compiler_that_fails_is_named_with_its_message(monkeypatch, tmp_path):
     """A kernel that cannot be built says which compiler failed on which file, and why."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv("CXX", "false")
-    with pytest.raises(OSError, match="false could not build native.cc"):
+    with pytest.raises(OSError, match="false could not build .*core/model/kernels"):
         native.built()
 
 

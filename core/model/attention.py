@@ -38,6 +38,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from core.model import native
 from core.model.cache import KeyValues, held
 from core.model.precision import einsum_product
 
@@ -203,7 +204,13 @@ def cached_attention(q, k, v, cache: KeyValues, lengths, window: int | None = No
     hold nothing any row can see, and a branch of the program (`jax.lax.switch`) attends over
     the leading ones alone. (Sixteen rows of SmolLM2 at 512 slots read 377 MB of float32 cache a
     step; their requests, a few dozen to a few hundred tokens long, seldom fill half of it.)
+    On the CPU, one query a row (a decoding step) goes through our kernel instead
+    (`core.model.native.cached_rows`), which reads each row's own slots alone.
     """
+    if q.shape[1] == 1 and cache.keys.dtype in (jnp.float32, jnp.bfloat16) and native.available():
+        first = 0 if cache.first is None else cache.first
+        y = native.cached_rows(q[:, 0], k[:, 0], v[:, 0], cache.keys, cache.values, first, lengths, window)
+        return y[:, None].astype(q.dtype)
     S = cache.keys.shape[2]
     halves = [S // 2**i for i in range(SPAN_HALVINGS, 0, -1) if S % 2**i == 0 and S // 2**i >= SPAN_MIN]
     spans = [*halves, S]

@@ -1,12 +1,16 @@
-"""Kernels of our own for XLA:CPU: `native.cc` compiled for this machine on first use and
-registered as an XLA FFI target (`jax.ffi`).
+"""Kernels of our own for XLA:CPU: the C++ files of `kernels/` compiled for this machine on
+first use into one library, whose handlers are registered as XLA FFI targets (`jax.ffi`).
 
-`int4_rows` multiplies a few float32 rows by four-bit weights stored one row per output, the
-product of a decoding step (`core.model.int4.product`). It is built once per source,
-jaxlib, compiler and CPU (`-march=native`) into the cache folder (~/.cache/apps/kernels), where
-concurrent processes each rename a whole file into place. Where it cannot be built (no C++
-compiler, a CPU without AVX2 and FMA, not the CPU backend), `available()` is False, the reason
-is logged once, and int4 products go through XLA alone (slower: the weights widen first).
+- `int4_rows` multiplies a few float32 rows by four-bit weights stored one row per output, the
+  product of a decoding step (`core.model.int4.product`);
+- `cached_rows` attends one new query per row over its key/value cache, reading only the slots
+  each row holds (`core.model.attention.cached_attention`).
+
+The library is built once per source, jaxlib, compiler and CPU (`-march=native`) into the cache
+folder (~/.cache/apps/kernels), where concurrent processes each rename a whole file into place.
+Where it cannot be built (no C++ compiler, a CPU without AVX2 and FMA, not the CPU backend),
+`available()` is False, the reason is logged once, and XLA alone computes both (slower: int4
+weights widen first, and attention reads the longest row's span of every row).
 """
 
 from __future__ import annotations
@@ -25,11 +29,12 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import jaxlib
+import numpy as np
 
 from core.paths import cache_folder
 
-SOURCE = Path(__file__).with_suffix(".cc")
-TARGET = "apps_int4_rows"
+KERNELS = Path(__file__).with_name("kernels")
+TARGETS = {"apps_int4_rows": "Int4Rows", "apps_cached_rows": "CachedAttention"}  # XLA's name: the handler
 log = logging.getLogger("apps")
 
 
@@ -42,37 +47,40 @@ def _cpu() -> str:
 
 
 def built() -> Path:
-    """The shared library of `SOURCE` for this machine, compiled if the cache lacks it."""
+    """The shared library of `KERNELS` for this machine, compiled if the cache lacks it."""
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if not compiler:
         raise OSError("no C++ compiler found (install g++, or set CXX)")
     flags = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w", f"-I{jax.ffi.include_dir()}"]
-    key = "\0".join([SOURCE.read_text(), jaxlib.__version__, compiler, *flags, _cpu()])
+    files = sorted(KERNELS.glob("*.[ch]*"))
+    sources = [str(path) for path in files if path.suffix == ".cc"]
+    key = "\0".join([*(path.read_text() for path in files), jaxlib.__version__, compiler, *flags, _cpu()])
     library = cache_folder() / "kernels" / f"native-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
     if library.exists():
         return library
     library.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
         made = Path(scratch) / library.name
-        done = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(made)], capture_output=True, text=True)
+        done = subprocess.run([compiler, *flags, *sources, "-o", str(made)], capture_output=True, text=True)
         if done.returncode:
-            raise OSError(f"{compiler} could not build {SOURCE.name}: {done.stderr.strip()[-600:]}")
+            raise OSError(f"{compiler} could not build {KERNELS}: {done.stderr.strip()[-600:]}")
         os.replace(made, library)
     return library
 
 
 @functools.cache
 def available() -> bool:
-    """Whether `int4_rows` runs here: built and registered (once a process), else False with
+    """Whether our kernels run here: built and registered (once a process), else False with
     the reason logged."""
     if jax.default_backend() != "cpu":
         return False
     try:
         library = ctypes.cdll.LoadLibrary(str(built()))
     except OSError as error:
-        log.warning("int4 products go through XLA alone: %s", error)
+        log.warning("int4 products and cached attention go through XLA alone: %s", error)
         return False
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.Int4Rows), platform="cpu")
+    for target, handler in TARGETS.items():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, handler)), platform="cpu")
     return True
 
 
@@ -81,5 +89,25 @@ def int4_rows(x: jax.Array, values: jax.Array, scales: jax.Array, offsets: jax.A
     weights as `core.model.int4.Int4` holds them (values [O, I/2] uint8, two to a byte; scales
     and offsets [O, I/32]). Only where `available()`."""
     out = jax.ShapeDtypeStruct((x.shape[0], values.shape[0]), jnp.float32)
-    call = jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")
+    call = jax.ffi.ffi_call("apps_int4_rows", out, vmap_method="sequential")
     return call(x.astype(jnp.float32), values, scales.astype(jnp.float32), offsets.astype(jnp.float32))
+
+
+def cached_rows(q, k, v, keys, values, first, lengths, window: int | None) -> jax.Array:
+    """One query per row q [B, N, H] with its new key and value k, v [B, K, H], over rows
+    `first` .. `first` + B - 1 of a cache of keys [B', K, S, H] and values [B', K, H, S] (float32
+    or bfloat16), which hold `lengths` [B] positions -> [B, N, H] float32: the attention of
+    `core.model.attention.cached_attention` for one new position a row. Only where `available()`."""
+    f32 = jnp.float32
+    call = jax.ffi.ffi_call("apps_cached_rows", jax.ShapeDtypeStruct(q.shape, f32), vmap_method="sequential")
+    rows = jnp.asarray(first, jnp.int32)
+    return call(
+        q.astype(f32),
+        k.astype(f32),
+        v.astype(f32),
+        keys,
+        values,
+        rows,
+        lengths.astype(jnp.int32),
+        window=np.int64(window or 0),
+    )

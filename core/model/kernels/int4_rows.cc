@@ -1,5 +1,5 @@
 // Int4 weights times float32 rows on the CPU, for the few rows of a decoding step
-// (core/model/native.py builds this file and registers it with XLA; core/model/int4.py calls it):
+// (core/model/native.py builds this folder and registers it with XLA; core/model/int4.py calls it):
 //   y[r, o] = sum_g scales[o, g] * sum_j x[r, 32g + j] * q[o, 32g + j] + offsets[o, g] * sum_j x[r, 32g + j]
 // where q in [0, 15] are the weights of output o, two to a byte: byte k of group g holds weight
 // 32g + k in its low four bits and 32g + 16 + k in its high four.
@@ -10,74 +10,34 @@
 // (the hardware prefetcher's best case), widened to float32 in registers and multiplied with the
 // float32 activations in float32 sums. Work is split by outputs between the calling thread and
 // a helper thread of our own (`Helper`).
-#include <immintrin.h>
-#include <unistd.h>
-
 #include <algorithm>
-#include <atomic>
-#include <condition_variable>
 #include <cstdint>
 #include <functional>
-#include <mutex>
-#include <thread>
 #include <tuple>
 #include <vector>
 
+#include "helper.h"
+#include "vectors.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
-#if defined(__AVX512F__)
-using Vec = __m512;
-constexpr int kLanes = 16;
 // The 32 weights of a group from its 16 bytes, as float32 vectors in order.
 static inline void group(const uint8_t* p, Vec* w) {
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), low = _mm_set1_epi8(0x0F);
+#if defined(__AVX512F__)
   w[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, low)));
   w[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), low)));
-}
-static inline Vec load(const float* p) { return _mm512_loadu_ps(p); }
-static inline Vec zero() { return _mm512_setzero_ps(); }
-static inline Vec fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-static inline float total(Vec v) { return _mm512_reduce_add_ps(v); }
-static inline Vec broadcast(float v) { return _mm512_set1_ps(v); }
-static inline Vec mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
-#elif defined(__AVX2__) && defined(__FMA__)
-using Vec = __m256;
-constexpr int kLanes = 8;
-static inline void group(const uint8_t* p, Vec* w) {
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), low = _mm_set1_epi8(0x0F);
+#else
   const __m128i first = _mm_and_si128(bytes, low), second = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
   w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(first));
   w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(first, 8)));
   w[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(second));
   w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(second, 8)));
-}
-static inline Vec load(const float* p) { return _mm256_loadu_ps(p); }
-static inline Vec zero() { return _mm256_setzero_ps(); }
-static inline Vec fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-static inline Vec broadcast(float v) { return _mm256_set1_ps(v); }
-static inline Vec mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
-static inline float total(Vec v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_hadd_ps(s, s);
-  return _mm_cvtss_f32(_mm_hadd_ps(s, s));
-}
-#else
-#error "int4 rows need AVX2 and FMA, or AVX-512"
 #endif
+}
 
 constexpr int64_t kGroup = 32, kVectors = kGroup / kLanes;
-
-// sum_k a[k] * b[k] for k < n.
-static inline float dot(const float* a, const float* b, int64_t n) {
-  Vec sum = zero();
-  int64_t k = 0;
-  for (; k + kLanes <= n; k += kLanes) sum = fma(load(a + k), load(b + k), sum);
-  float rest = total(sum);
-  for (; k < n; ++k) rest += a[k] * b[k];
-  return rest;
-}
 
 // Outputs [o, o + OUTS) for ROWS rows of x from x[0] (their group sums from sums[0]): the
 // outputs' sums run side by side, each group's weights widened once for all the rows.
@@ -136,73 +96,6 @@ static void outputs_range(const float* x, const float* sums, const uint8_t* valu
   }
 }
 
-// A job of n pieces that threads take one at a time until none is left.
-struct Job {
-  const std::function<void(int64_t)>* body = nullptr;
-  int64_t n = 0;
-  std::atomic<int64_t> next{0}, done{0};
-  void work() {
-    for (int64_t k; (k = next.fetch_add(1)) < n; done.fetch_add(1)) (*body)(k);
-  }
-};
-
-// One helper thread of our own, started on first use, that spins for a while after each job
-// before it sleeps: a decoding step calls the kernel a few hundred times, a tenth of a
-// millisecond each, and a thread woken from sleep for each call (XLA's intra-op pool) starts
-// too late to take a share.
-class Helper {
- public:
-  static Helper& get() {
-    static Helper* helper = new Helper();  // never destroyed: its thread runs to the process's end
-    return *helper;
-  }
-
-  // body(k) for k in [0, n) on the calling thread and the helper; on the caller alone while
-  // another caller has the helper.
-  void run(int64_t n, const std::function<void(int64_t)>& body) {
-    std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
-    if (!busy.owns_lock() || n < 2 || getpid() != process_) {  // a forked child has no helper
-      for (int64_t k = 0; k < n; ++k) body(k);
-      return;
-    }
-    job_.body = &body;
-    job_.n = n;
-    job_.next.store(0);
-    job_.done.store(0);
-    {
-      std::lock_guard<std::mutex> lock(sleep_);
-      posted_.fetch_add(1, std::memory_order_release);
-    }
-    wake_.notify_one();
-    job_.work();
-    while (job_.done.load(std::memory_order_acquire) < n) _mm_pause();
-    // The helper may still be about to read `next`; wait until it is back to waiting.
-    while (taken_.load(std::memory_order_acquire) != posted_.load()) _mm_pause();
-  }
-
- private:
-  Helper() : process_(getpid()) { std::thread([this] { loop(); }).detach(); }
-
-  void loop() {
-    for (uint64_t seen = 0;;) {
-      for (int spin = 0; posted_.load(std::memory_order_acquire) == seen && spin < kSpins; ++spin) _mm_pause();
-      if (posted_.load(std::memory_order_acquire) == seen) {
-        std::unique_lock<std::mutex> lock(sleep_);
-        wake_.wait(lock, [&] { return posted_.load() != seen; });
-      }
-      seen = posted_.load(std::memory_order_acquire);
-      job_.work();
-      taken_.store(seen, std::memory_order_release);
-    }
-  }
-
-  static constexpr int kSpins = 2000;  // pauses (tens of microseconds): longer than the gaps between a step's products
-  const pid_t process_;
-  Job job_;
-  std::mutex busy_, sleep_;
-  std::condition_variable wake_;
-  std::atomic<uint64_t> posted_{0}, taken_{0};
-};
 
 using Rows = ffi::Buffer<ffi::F32, 2>;
 using Values = ffi::Buffer<ffi::U8, 2>;
