@@ -9,6 +9,7 @@ import pytest
 from test_generate import GEMMA_SHAPED, VOCAB, full_logits, language_model
 
 from core.generation.generate import generate
+from core.generation.slot_programs import EXTEND_WIDTHS
 from core.generation.slots import Engine, QueueFull, Request
 
 PROMPTS = [[3, 14, 15], [9, 2, 6, 5, 35, 8, 9], [27], [4, 4, 4, 4, 1], [11, 12]]
@@ -252,7 +253,7 @@ def test_warm_up_compiles_every_prompt_width_once_and_requests_compile_nothing_m
         return [f._cache_size() for f in (programs.prefill, programs.extend, programs.begin, programs.step)]
 
     counts = compiled()
-    assert counts == [len(engine.widths()), 1, 1, 1] and engine.kept._copy._cache_size() == 2
+    assert counts == [len(engine.widths()), len(EXTEND_WIDTHS), 1, 1] and engine.kept._copy._cache_size() == 2
     # The first requests, at the first width, compile nothing more; nor does one after a kept prompt.
     long = list(range(3, 23))
     prompts = [PROMPTS[0], PROMPTS[1], long, [*long, 5]]

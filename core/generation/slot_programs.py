@@ -1,8 +1,9 @@
 """The slot engine's compiled programs (`core.generation.slots`), over one cache of `slots` rows.
 
 - `prefill`: a prompt into a slot's row from its first position (one program per padded width);
-- `extend`: `CHUNK` more of a prompt's tokens into a slot's row after the positions it holds (a
-  kept prompt's beginning, `core.generation.prompt_cache`; one program, called once per chunk);
+- `extend`: up to `CHUNK` more of a prompt's tokens into a slot's row after the positions it
+  holds (a kept prompt's beginning, `core.generation.prompt_cache`; one program per width of
+  `EXTEND_WIDTHS`, called once per chunk);
 - `begin`: a slot's first token from the logits either gives, its steering set up;
 - `step`: one token for each of the leading rows (one program per count of rows).
 
@@ -21,7 +22,10 @@ from core.generation.slot_sampling import Steering, pick
 from core.model import lora
 from core.model.cache import Cache
 
-CHUNK = 64  # prompt tokens an `extend` takes
+CHUNK = 64  # prompt tokens an `extend` takes at most
+# The widths an `extend` is compiled for: a short rest after a kept beginning (often a token or
+# two: the same prompt again) pays for the tokens it has, not for CHUNK.
+EXTEND_WIDTHS = (8, 16, 32, CHUNK)
 
 
 class Programs:
@@ -49,7 +53,7 @@ class Programs:
         )
 
     def _extend(self, params, cache, tokens, length, held, slot, adapter):
-        """As `_prefill`, for tokens [1, CHUNK] after the `held` positions that row `slot` holds:
+        """As `_prefill`, for tokens [1, W] (W in EXTEND_WIDTHS) after the `held` positions that row `slot` holds:
         its queries attend to those too (across the row's slots, which a whole prompt's own
         blockwise attention does at half the cost: hence a program of its own)."""
 

@@ -37,7 +37,7 @@ from flax import nnx
 from core.generation.generate import logits_of
 from core.generation.grammar import Constraint
 from core.generation.prompt_cache import MIN_REUSE, PromptCache
-from core.generation.slot_programs import CHUNK, Programs
+from core.generation.slot_programs import CHUNK, EXTEND_WIDTHS, Programs
 from core.generation.slot_sampling import BIASED, HELD, Scores, Steering, bias_of, scored, settings
 from core.model import lora
 from core.model.precision import narrowed
@@ -151,7 +151,8 @@ class Engine:
         if self.kept is not None and MIN_REUSE + CHUNK <= self.context:
             started = time.perf_counter()
             self.cache = self.kept.warm_up(self.cache)
-            self._fill(0, [0] * (MIN_REUSE + 1), MIN_REUSE, 0)  # a kept prompt's rest: one chunk
+            for width in EXTEND_WIDTHS:  # a kept prompt's rest: one chunk of each width
+                self._fill(0, [0] * (MIN_REUSE + width), MIN_REUSE, 0)
             timings["prompt cache"] = time.perf_counter() - started
         for rows in self.row_counts():
             started = time.perf_counter()
@@ -257,9 +258,10 @@ class Engine:
         with it, if one does and that pays) -> its first token and its scores."""
         prompt = request.prompt
         row, held = self.kept.find(prompt, request.adapter) if self.kept is not None else (-1, 0)
-        chunks = -(-(len(prompt) - held) // CHUNK)
+        rest = len(prompt) - held
+        last = (rest - 1) % CHUNK + 1  # the last chunk's tokens, padded to its width
         # Chunks after the kept beginning cost more a token than one prefill: used for a short rest.
-        if row >= 0 and len(prompt) - held <= max(held, CHUNK) and held + chunks * CHUNK <= self.context:
+        if row >= 0 and rest <= max(held, CHUNK) and held + rest - last + _width(last) <= self.context:
             self.cache = self.kept.restore(self.cache, row, slot)
             self.reused += held
         else:
@@ -284,7 +286,7 @@ class Engine:
             return logits
         for start in range(held, len(prompt), CHUNK):
             chunk = prompt[start : start + CHUNK]
-            tokens = np.zeros((1, CHUNK), np.int32)
+            tokens = np.zeros((1, _width(len(chunk))), np.int32)
             tokens[0, : len(chunk)] = chunk
             logits, self.cache = self.programs.extend(
                 self.params, self.cache, tokens, jnp.int32(len(chunk)), jnp.int32(start), jnp.int32(slot), ids
@@ -347,6 +349,11 @@ class Engine:
                 written = len(request.prompt) + int(self.counts[slot])
                 self.kept.keep(self.cache, slot, request.prompt, written, request.adapter)
             _tell(request, None, reason)
+
+
+def _width(tokens: int) -> int:
+    """The narrowest width an `extend` is compiled for that holds a chunk of `tokens` (1..CHUNK)."""
+    return next(width for width in EXTEND_WIDTHS if width >= tokens)
 
 
 def _tell(request: Request, token: int | None, reason: str | None, scores: Scores | None = None) -> None:

@@ -31,9 +31,8 @@ static inline float dot_with(const float* a, const T* b, int64_t n) {
   Vec sum = zero();
   int64_t k = 0;
   for (; k + kLanes <= n; k += kLanes) sum = fma(load(a + k), load(b + k), sum);
-  float rest = total(sum);
-  for (; k < n; ++k) rest += a[k] * to_float(b[k]);
-  return rest;
+  if (k < n) sum = fma(load_part(a + k, n - k), load_part(b + k, n - k), sum);
+  return total(sum);
 }
 
 // x[k] = e^(x[k] - top) for k < n -> their sum.

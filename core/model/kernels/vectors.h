@@ -19,6 +19,12 @@ static inline Vec load(const BFloat16* p) {
   const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
+// p[0, n) for n < kLanes, zeros after (nothing past them read).
+static inline Vec load_part(const float* p, int64_t n) { return _mm512_maskz_loadu_ps((1u << n) - 1, p); }
+static inline Vec load_part(const BFloat16* p, int64_t n) {
+  const __m256i bits = _mm256_maskz_loadu_epi16((1u << n) - 1, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
 static inline void store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
 static inline Vec zero() { return _mm512_setzero_ps(); }
 static inline Vec fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
@@ -41,6 +47,15 @@ static inline Vec load(const float* p) { return _mm256_loadu_ps(p); }
 static inline Vec load(const BFloat16* p) {
   const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+static inline Vec load_part(const float* p, int64_t n) {
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), lanes));
+}
+static inline Vec load_part(const BFloat16* p, int64_t n) {
+  alignas(16) BFloat16 part[kLanes] = {};
+  for (int64_t k = 0; k < n; ++k) part[k] = p[k];
+  return load(part);
 }
 static inline void store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
 static inline Vec zero() { return _mm256_setzero_ps(); }
@@ -101,12 +116,4 @@ static inline float dot(const float* a, const float* b, int64_t n) {
   float rest = total(sum);
   for (; k < n; ++k) rest += a[k] * b[k];
   return rest;
-}
-
-static inline float to_float(float x) { return x; }
-static inline float to_float(BFloat16 x) {
-  const uint32_t bits = static_cast<uint32_t>(x.bits) << 16;
-  float f;
-  __builtin_memcpy(&f, &bits, 4);
-  return f;
 }
