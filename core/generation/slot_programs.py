@@ -53,8 +53,8 @@ class Programs:
         )
 
     def _extend(self, params, cache, tokens, length, held, slot, adapter):
-        """As `_prefill`, for tokens [1, W] (W in EXTEND_WIDTHS) after the `held` positions that row `slot` holds:
-        its queries attend to those too (across the row's slots, which a whole prompt's own
+        """As `_prefill`, for tokens [1, W] (W in EXTEND_WIDTHS) after the `held` positions that
+        row `slot` holds: its queries attend to those too (across the row's slots, which a whole prompt's own
         blockwise attention does at half the cost: hence a program of its own)."""
 
         def run(body, x, mask, row):

@@ -25,16 +25,6 @@ namespace ffi = xla::ffi;
 
 constexpr float kMasked = -1e30f;  // a slot out of the window's sight: weight e^(-1e30) = 0
 
-// sum_k a[k] * b[k] for k < n, b float32 or bfloat16.
-template <typename T>
-static inline float dot_with(const float* a, const T* b, int64_t n) {
-  Vec sum = zero();
-  int64_t k = 0;
-  for (; k + kLanes <= n; k += kLanes) sum = fma(load(a + k), load(b + k), sum);
-  if (k < n) sum = fma(load_part(a + k, n - k), load_part(b + k, n - k), sum);
-  return total(sum);
-}
-
 // x[k] = e^(x[k] - top) for k < n -> their sum.
 static float exponentials(float* x, int64_t n, float top) {
   Vec sum = zero();
@@ -83,7 +73,7 @@ static void heads(const float* q, const float* k, const float* v, const T* keys,
   weights.resize(G * n);
   for (int64_t s = 0; s < n; ++s) {
     ahead(keys + (s + kAhead) * H, H);
-    for (int64_t g = 0; g < G; ++g) weights[g * n + s] = dot_with(q + g * H, keys + s * H, H) * scale;
+    for (int64_t g = 0; g < G; ++g) weights[g * n + s] = dot(q + g * H, keys + s * H, H) * scale;
   }
   if (shape.window)
     for (int64_t s = 0; s < n; ++s) {
@@ -102,11 +92,12 @@ static void heads(const float* q, const float* k, const float* v, const T* keys,
     mine[g] = std::exp(own - top);
     inverse[g] = 1.0f / (exponentials(w, n, top) + mine[g]);
   }
-  ahead(values, 2 * S);
+  ahead(values, n);
+  ahead(values + S, n);
   for (int64_t h = 0; h < H; ++h) {
     ahead(values + (h + 2) * S, n);
     for (int64_t g = 0; g < G; ++g)
-      y[g * H + h] = (dot_with(weights.data() + g * n, values + h * S, n) + mine[g] * v[h]) * inverse[g];
+      y[g * H + h] = (dot(weights.data() + g * n, values + h * S, n) + mine[g] * v[h]) * inverse[g];
   }
 }
 

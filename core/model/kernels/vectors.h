@@ -108,12 +108,12 @@ static inline Vec exp_negative(Vec x) {
 #endif
 }
 
-// sum_k a[k] * b[k] for k < n.
-static inline float dot(const float* a, const float* b, int64_t n) {
+// sum_k a[k] * b[k] for k < n, b float32 or bfloat16.
+template <typename T>
+static inline float dot(const float* a, const T* b, int64_t n) {
   Vec sum = zero();
   int64_t k = 0;
   for (; k + kLanes <= n; k += kLanes) sum = fma(load(a + k), load(b + k), sum);
-  float rest = total(sum);
-  for (; k < n; ++k) rest += a[k] * b[k];
-  return rest;
+  if (k < n) sum = fma(load_part(a + k, n - k), load_part(b + k, n - k), sum);
+  return total(sum);
 }
