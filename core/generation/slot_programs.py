@@ -54,8 +54,8 @@ class Programs:
 
     def _extend(self, params, cache, tokens, length, held, slot, adapter):
         """As `_prefill`, for tokens [1, W] (W in EXTEND_WIDTHS) after the `held` positions that
-        row `slot` holds: its queries attend to those too (across the row's slots, which a whole prompt's own
-        blockwise attention does at half the cost: hence a program of its own)."""
+        row `slot` holds: its queries attend to those too (across the row's slots, which a whole
+        prompt's own blockwise attention does at half the cost: hence a program of its own)."""
 
         def run(body, x, mask, row):
             return body.extend(x, row._replace(lengths=held.reshape(1)), mask)
