@@ -250,8 +250,9 @@ class TrainConfig:
     grad_accum: int = 1
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     # The dtype of the linear, attention and output layers' products (`core.model.precision.products_in`):
-    # "bfloat16" multiplies float32 activations and weights in bfloat16 with float32 sums.
-    matmul_dtype: Literal["float32", "bfloat16"] = "float32"
+    # "bfloat16" multiplies float32 activations and weights in bfloat16 with float32 sums; "auto"
+    # does so where the hardware multiplies bfloat16 (`core.model.precision.fastest_products`).
+    matmul_dtype: Literal["float32", "bfloat16", "auto"] = "float32"
     remat: bool = False
     # Devices on the `fsdp` mesh axis; parameters are sharded over it, the batch over all.
     fsdp: int = 1

@@ -176,6 +176,28 @@ def test_products_in_bfloat16_multiply_float32_weights_rounded_and_give_unrounde
     np.testing.assert_allclose(matmul(x, kernel), x @ kernel, rtol=1e-6)
 
 
+@pytest.mark.parametrize("flags", [{"avx2", "fma"}, {"avx512f", "avx512_bf16"}, {"avx2", "amx_bf16", "amx_tile"}])
+def test_auto_products_are_bfloat16_only_where_the_cpu_multiplies_bfloat16(monkeypatch, flags):
+    """`train.matmul_dtype=auto` (the lm fine-tuning presets'): bfloat16 products on a CPU with
+    AMX or AVX-512 BF16, float32 on one that would emulate them (AVX2 alone); the products
+    traced under it are those of the dtype chosen."""
+    from core.model import precision
+
+    monkeypatch.setattr(precision, "_cpu_flags", lambda: flags)
+    expected = "float32" if flags == {"avx2", "fma"} else "bfloat16"
+    assert precision.fastest_products() == precision.chosen_products("auto") == expected
+    assert precision.chosen_products("float32") == "float32"  # named dtypes stand as they are
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((4, 24)), jnp.float32)
+    kernel = jnp.asarray(np.random.default_rng(1).standard_normal((24, 8)), jnp.float32)
+    # Fresh functions to trace: jit's cache does not key on the context.
+    with precision.products_in("auto"):
+        got = jax.jit(lambda x, k: precision.matmul(x, k))(x, kernel)
+    with precision.products_in(expected):
+        np.testing.assert_array_equal(got, jax.jit(lambda x, k: precision.matmul(x, k))(x, kernel))
+    rounded = x.astype(jnp.bfloat16).astype(jnp.float32) @ kernel.astype(jnp.bfloat16).astype(jnp.float32)
+    assert np.allclose(got, rounded, rtol=1e-6, atol=1e-5) == (expected == "bfloat16")
+
+
 @pytest.mark.parametrize("rows", [1, 2, 5])
 def test_bfloat16_weights_multiply_in_bfloat16_with_float32_sums(rows):
     """A bfloat16 kernel under float32 activations (decoding weights, `core.model.precision.narrowed`):

@@ -33,6 +33,7 @@ from jax.extend.core import Literal
 from core.config import Config
 from core.errors import UserError
 from core.model import lora
+from core.model.precision import chosen_products
 from core.training.steps import cast_for_compute
 
 GB = 1024**3
@@ -57,6 +58,7 @@ class Estimate:
     available: float | None
     devices: int  # the devices that share the `available` memory
     where: str
+    products: str  # the dtype the products run in (`train.matmul_dtype`, "auto" resolved)
 
     @property
     def total(self) -> float:
@@ -72,7 +74,8 @@ class Estimate:
         room = f" of {self.available / GB:.1f} GB available on {self.where}" if self.available else ""
         trained = f" ({self.trained:,} trained)" if self.trained != self.parameters else ""
         return (
-            f"memory estimate: {self.parameters:,} parameters{trained}; weights {self.weights / GB:.2f} GB, "
+            f"memory estimate: {self.parameters:,} parameters{trained}; weights {self.weights / GB:.2f} GB "
+            f"({self.products} products), "
             f"gradients and optimizer {self.optimizer / GB:.2f} GB, activations {self.activations / GB:.2f} GB: "
             f"{self.total / GB:.2f} GB{per}{room}"
         )
@@ -91,14 +94,15 @@ def estimate(task, featurizer, config: Config, sample: dict) -> Estimate:
     trained = _count(lora.split(flat, config.model, type(abstract).transferred)[0])
     train = config.train
     shard = max(train.fsdp, 1)
-    narrow = "bfloat16" in (train.compute_dtype, train.matmul_dtype)
+    products = chosen_products(train.matmul_dtype)
+    narrow = "bfloat16" in (train.compute_dtype, products)
     weights = parameters * 4 / shard + (parameters * 2 / shard if narrow else 0)
     optimizer = trained * 4 * 3 / shard
     rows = max(1, -(-(train.batch_size // train.grad_accum) // jax.device_count()))
     activations = kept_for_backward(task, featurizer, config, abstract, sample, rows)
     available, where = _available()
     devices = jax.local_device_count() if where == "host" else 1
-    _last = Estimate(parameters, trained, weights, optimizer, activations, available, devices, where)
+    _last = Estimate(parameters, trained, weights, optimizer, activations, available, devices, where, products)
     return _last
 
 
