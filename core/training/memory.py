@@ -94,8 +94,9 @@ def estimate(task, featurizer, config: Config, sample: dict) -> Estimate:
     trained = _count(lora.split(flat, config.model, type(abstract).transferred)[0])
     train = config.train
     shard = max(train.fsdp, 1)
-    products = chosen_products(train.matmul_dtype)
-    narrow = "bfloat16" in (train.compute_dtype, products)
+    # bfloat16 compute multiplies in bfloat16 whatever `matmul_dtype` says.
+    products = "bfloat16" if train.compute_dtype == "bfloat16" else chosen_products(train.matmul_dtype)
+    narrow = products == "bfloat16"
     weights = parameters * 4 / shard + (parameters * 2 / shard if narrow else 0)
     optimizer = trained * 4 * 3 / shard
     rows = max(1, -(-(train.batch_size // train.grad_accum) // jax.device_count()))
