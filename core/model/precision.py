@@ -66,17 +66,12 @@ def fastest_products() -> str:
     where a Sapphire Rapids CPU's AMX units ran 341 against 195."""
     if jax.default_backend() != "cpu":
         return "bfloat16"
-    return "bfloat16" if multiplies_bfloat16(_cpu_flags()) else "float32"
+    return "bfloat16" if _cpu_flags() & {"amx_bf16", "avx512_bf16"} else "float32"
 
 
 def chosen_products(dtype: str) -> str:
     """`train.matmul_dtype` as products run in: "auto" resolved here, the others as they are."""
     return fastest_products() if dtype == "auto" else dtype
-
-
-def multiplies_bfloat16(flags: set[str]) -> bool:
-    """Whether a CPU with these /proc/cpuinfo `flags` multiplies bfloat16 in hardware."""
-    return bool(flags & {"amx_bf16", "avx512_bf16"})
 
 
 @functools.cache
