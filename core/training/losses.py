@@ -123,14 +123,20 @@ def _ce_chunk(h, weight, weight_t, t, w, smoothing: float, with_grads: bool, wei
     dtype = narrower(h.dtype)
     logits = product(h, weight_t, dtype)  # [K, V], float32 (or wider)
     V = logits.shape[-1]
-    lse = jax.nn.logsumexp(logits, axis=-1)
+    # The softmax's exponentials once, for the loss's log-sum and the gradient alike: a fused
+    # exp-and-sum runs in XLA:CPU's reduction library at a sixth of its elementwise exp's speed
+    # (a chunk's logsumexp and gradient 120 -> 78 ms at 512 x 49,152).
+    peak = jax.lax.stop_gradient(logits.max(-1, keepdims=True))
+    exps = jnp.exp(logits - peak)
+    sums = exps.sum(-1, keepdims=True)
+    lse = (jnp.log(sums) + peak)[:, 0]
     picked = jnp.take_along_axis(logits, t[:, None], axis=-1)[:, 0]
     # The target distribution (1 - s) one_hot(t) + s / V, as in `cross_entropy`.
     loss = ((lse - (1 - smoothing) * picked - smoothing * logits.mean(-1)) * w).sum()
     if not with_grads:
         return loss, None, None
     labels = (1 - smoothing) * jax.nn.one_hot(t, V) + smoothing / V
-    grad_logits = (jnp.exp(logits - lse[:, None]) - labels) * w[:, None]
+    grad_logits = (exps / sums - labels) * w[:, None]
     grad_logits = grad_logits.astype(h.dtype)
     grad_hidden = product(grad_logits, weight, dtype).astype(h.dtype)
     # Transposed, the weight's gradient copies h [K, D] in `transposed`, not grad_logits [K, V].
