@@ -56,8 +56,8 @@ def main() -> None:
     """JAX/Flax Transformer pipelines for real domain problems."""
     from core.training import host
 
-    # The CLI owns its process: keep freed host memory for XLA's per-step arenas (see core/training/host.py).
-    host.keep_freed_memory()
+    # The CLI owns its process: huge pages and kept freed memory for XLA's arenas (core/training/host.py).
+    host.tune_process()
 
 
 @app.command("tasks")

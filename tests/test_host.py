@@ -60,3 +60,46 @@ def test_repeated_executions_stop_faulting_in_fresh_pages():
     assert page_faults("tuned", APPS_KEEP_FREED_MEMORY="0") >= 10 * buffer_pages
     # Given back, large blocks are mapped afresh again.
     assert page_faults("given back") >= 10 * buffer_pages
+
+
+def test_huge_pages_are_asked_for_once_and_only_where_the_kernel_grants_them_on_request():
+    from core.training.host import huge_pages_environment
+
+    assert huge_pages_environment({"A": "1"}, "madvise") == {"A": "1", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+    other = {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}
+    assert (
+        huge_pages_environment(other, "madvise")["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+    )
+    # Restarted, off, or where asking changes nothing: no (further) restart.
+    assert huge_pages_environment({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}, "madvise") is None
+    assert huge_pages_environment({"APPS_HUGE_PAGES": "0"}, "madvise") is None
+    assert huge_pages_environment({}, "always") is None
+    assert huge_pages_environment({}, "never") is None
+    assert huge_pages_environment({}, None) is None
+
+
+# A program named `apps` that says which tunables it started with, then tunes its process as the CLI does.
+APPS = """
+import os
+print(os.environ.get("GLIBC_TUNABLES"), flush=True)
+from core.training import host
+host.tune_process()
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc tunables")
+def test_the_apps_program_restarts_itself_with_huge_pages(tmp_path):
+    from core.training import host
+
+    if host._transparent_huge_pages() != "madvise":
+        pytest.skip("the kernel's transparent huge pages are not granted on request here")
+    (tmp_path / "apps").write_text(APPS)
+
+    def started_with(**environment: str) -> list[str]:
+        environment = {**os.environ, "PYTHONPATH": str(ROOT), **environment}
+        environment.pop("GLIBC_TUNABLES", None)
+        command = [sys.executable, str(tmp_path / "apps")]
+        return subprocess.run(command, capture_output=True, text=True, check=True, env=environment).stdout.split()
+
+    assert started_with() == ["None", "glibc.malloc.hugetlb=1"]
+    assert started_with(APPS_HUGE_PAGES="0") == ["None"]

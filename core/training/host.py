@@ -16,6 +16,16 @@ it. So it is applied where the suite owns the process: the `apps` CLI, before JA
 to threads stay theirs): a Python program that wants the whole gain calls it first thing.
 `APPS_KEEP_FREED_MEMORY=0` turns it off. Elsewhere than glibc it does nothing.
 
+Kept or given back, the pages the kernel faults in are 4 KB ones unless malloc asks for huge
+pages (2 MB) where the kernel grants them on request (`/sys/kernel/mm/transparent_hugepage/enabled`
+at "madvise", the common default): glibc does so with the tunable `glibc.malloc.hugetlb=1`, read
+only when a process starts, so `tune_process` restarts the `apps` program with it (before any
+import of JAX). A step's arena then costs 512 times fewer faults and its big arrays fewer TLB
+misses: SmolLM2's fine-tuning step with bfloat16 products on a 2-core Sapphire Rapids ran at 417
+tokens/s, against 330 with glibc's settings and 395 with freed memory kept (six steps each, one
+sitting), and kept memory added nothing beside huge pages (412). `APPS_HUGE_PAGES=0` turns it off;
+another program sets the tunable itself (`GLIBC_TUNABLES=glibc.malloc.hugetlb=1 python ...`).
+
 A heap that never shrinks suits a run whose arenas are a small part of the machine. Gemma 3's
 fine-tuning presets, whose memory estimate is 6 GB, grew it past this machine's 24 GB in
 fragments (and were killed for it), where with glibc's own settings they peak at some 13 GB;
@@ -32,7 +42,10 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import re
 import sys
+from collections.abc import Mapping
+from pathlib import Path
 
 # mallopt parameters from glibc's malloc.h.
 M_TRIM_THRESHOLD = -1
@@ -41,6 +54,9 @@ M_ARENA_MAX = -8
 # glibc's defaults for the two that `give_back_freed_memory` restores.
 DEFAULT_MMAP_MAX = 65536
 DEFAULT_TRIM_THRESHOLD = 128 * 1024
+
+HUGE_PAGES = "glibc.malloc.hugetlb=1"
+TRANSPARENT_HUGE_PAGES = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 _kept = False  # whether keep_freed_memory took effect (and was not given back since)
 
@@ -82,3 +98,37 @@ def give_back_freed_memory() -> bool:
     _kept = not all(libc.mallopt(param, value) == 1 for param, value in settings)
     libc.malloc_trim(0)
     return not _kept
+
+
+def tune_process() -> None:
+    """What the `apps` CLI does first: restart with huge pages (only where this process is the
+    `apps` program: tests that call the CLI in their own process keep theirs), then keep freed
+    memory."""
+    if Path(sys.argv[0]).name == "apps" and _libc() is not None:
+        environment = huge_pages_environment(os.environ, _transparent_huge_pages())
+        if environment is not None:
+            try:
+                os.execve(sys.executable, sys.orig_argv, environment)
+            except OSError:  # an interpreter that cannot be run again: go on with small pages
+                pass
+    keep_freed_memory()
+
+
+def huge_pages_environment(environment: Mapping[str, str], transparent: str | None) -> dict[str, str] | None:
+    """`environment` with glibc's huge-pages tunable added, or None where restarting would
+    change nothing: turned off (`APPS_HUGE_PAGES=0`), the tunable already set (as after the
+    restart), or the kernel's transparent huge pages `transparent` other than "madvise" ("always"
+    needs no asking, "never" grants none)."""
+    tunables = environment.get("GLIBC_TUNABLES", "")
+    if environment.get("APPS_HUGE_PAGES", "1") == "0" or "glibc.malloc.hugetlb" in tunables or transparent != "madvise":
+        return None
+    return {**environment, "GLIBC_TUNABLES": f"{tunables}:{HUGE_PAGES}" if tunables else HUGE_PAGES}
+
+
+def _transparent_huge_pages() -> str | None:
+    """The kernel's transparent huge pages setting ("always", "madvise", "never"), or None."""
+    try:
+        chosen = re.search(r"\[(\w+)\]", TRANSPARENT_HUGE_PAGES.read_text())
+    except OSError:
+        return None
+    return chosen and chosen.group(1)
