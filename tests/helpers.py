@@ -1,14 +1,16 @@
 """What several test files share: the CLI through Typer's runner, text helpers, a run's logged
 losses, a tiny body's settings, a pretrained decoder built from a checkpoint and its check
-against what transformers gave on the same file.
+against what transformers gave on the same file, the operand types of a compiled program's products.
 
 Imported as `from helpers import apps, plain`; tests/conftest.py has already set up JAX (eight
 simulated CPU devices, strict rank promotion) before any test module imports this one.
 """
 
 import json
+import re
 from pathlib import Path
 
+import jax
 from typer.testing import CliRunner, Result
 
 from cli import app
@@ -91,3 +93,16 @@ def check_against_reference(model, reference) -> None:
         np.testing.assert_allclose(jax.nn.logsumexp(logits, -1), reference[f"logsumexp_{i}"], atol=2e-3)
         np.testing.assert_array_equal(logits.argmax(-1), reference[f"argmax_{i}"])
         np.testing.assert_array_equal(greedy.tokens[i], reference[f"greedy_{i}"])
+
+
+def compiled_dot_operands(function, *args) -> list[tuple[str, ...]]:
+    """The element types of each dot's operands in the program XLA compiles for `function`."""
+    types, dots = {}, []
+    for line in jax.jit(function).lower(*args).compile().as_text().splitlines():
+        definition = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = (\w+)\[", line)
+        if definition:
+            types[definition.group(1)] = definition.group(2)
+        dot = re.search(r" dot\(%([\w.\-]+), %([\w.\-]+)\)", line)
+        if dot:
+            dots.append(dot.groups())
+    return [tuple(types[name] for name in operands) for operands in dots]

@@ -3,6 +3,7 @@ with grouped-query heads too; the cuDNN path gets lengths that mean the padding 
 
 import re
 
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -84,6 +85,27 @@ def test_blockwise_with_bfloat16_products_multiplies_rounded_float32_operands():
         assert a.dtype == jnp.float32
         np.testing.assert_allclose(a, b, atol=0.05, rtol=0.05)
         assert not np.allclose(a, b, atol=1e-6, rtol=1e-6)
+
+
+def test_blockwise_products_stay_bfloat16_where_xla_compiles_them():
+    """XLA:CPU folded the heads-first transpose into the products that read whole keys (the last
+    causal block's), whose layout YNNPACK refused, and multiplied them in float32: the kernel
+    copies its operands in order (`core.model.precision.transposed`). Of each block's six
+    products, the two that contract over query rows (the keys' and values' gradients) are the
+    ones XLA still widens, whatever the layout."""
+    from core.model.precision import products_in
+
+    rng = np.random.default_rng(9)
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 256, h, 16)), jnp.float32) for h in (4, 2, 2))
+    mask = jnp.ones((2, 256), bool)
+
+    def loss(q, k, v):
+        return (attention(q, k, v, mask, causal=True, implementation="blockwise") ** 2).sum()
+
+    with products_in("bfloat16"):
+        dots = helpers.compiled_dot_operands(jax.value_and_grad(loss, (0, 1, 2)), q, k, v)
+    assert len(dots) == 6 * 4  # four query blocks of 64
+    assert dots.count(("bf16", "bf16")) == 4 * 4
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -2,6 +2,7 @@
 
 import itertools
 
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -220,21 +221,6 @@ def test_bfloat16_weights_multiply_in_bfloat16_with_float32_sums(rows):
     np.testing.assert_allclose(grad_kernel.astype(jnp.float32)[:, 0], column, rtol=1e-2, atol=1e-2)
 
 
-def compiled_dot_operands(function, *args) -> list[tuple[str, ...]]:
-    """The element types of each dot's operands in the program XLA compiles for `function`."""
-    import re
-
-    types, dots = {}, []
-    for line in jax.jit(function).lower(*args).compile().as_text().splitlines():
-        definition = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = (\w+)\[", line)
-        if definition:
-            types[definition.group(1)] = definition.group(2)
-        dot = re.search(r" dot\(%([\w.\-]+), %([\w.\-]+)\)", line)
-        if dot:
-            dots.append(dot.groups())
-    return [tuple(types[name] for name in operands) for operands in dots]
-
-
 def test_bfloat16_products_and_their_gradients_stay_bfloat16_where_xla_compiles_them():
     """XLA:CPU multiplies a bfloat16 product in float32 when an operand is transposed in memory,
     as the weight gradients' x^T g are (3 to 3.5 times slower): `core.model.precision.transposed`
@@ -256,7 +242,7 @@ def test_bfloat16_products_and_their_gradients_stay_bfloat16_where_xla_compiles_
         return linear_cross_entropy(x, table, targets, jnp.ones((2, 64)), chunk=32)[0]
 
     with products_in("bfloat16"):
-        layer_dots = compiled_dot_operands(jax.value_and_grad(layer, (0, 1)), x, kernel, g)
-        output_dots = compiled_dot_operands(jax.value_and_grad(output, (0, 1)), x, table)
+        layer_dots = helpers.compiled_dot_operands(jax.value_and_grad(layer, (0, 1)), x, kernel, g)
+        output_dots = helpers.compiled_dot_operands(jax.value_and_grad(output, (0, 1)), x, table)
     assert len(layer_dots) == 3 and len(output_dots) == 3  # forward, and both gradients
     assert set(layer_dots + output_dots) == {("bf16", "bf16")}

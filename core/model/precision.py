@@ -42,8 +42,8 @@ def product(a: jax.Array, b: jax.Array, dtype) -> jax.Array:
     return jnp.matmul(padded, b, preferred_element_type=jnp.float32)[0].reshape(*a.shape[:-1], b.shape[-1])
 
 
-def transposed(a: jax.Array, dtype) -> jax.Array:
-    """a [M, N] -> a.T [N, M], as an operand of a `product` in `dtype`.
+def transposed(a: jax.Array, dtype, axes: tuple[int, ...] | None = None) -> jax.Array:
+    """a [M, N] -> a.T [N, M] (or `a.transpose(axes)`), as an operand of a `product` in `dtype`.
 
     In a narrower float on XLA:CPU, the transpose is copied (in `dtype`) so that its rows lie in
     order in memory. XLA runs a bfloat16 product through YNNPACK only when its operands are laid
@@ -54,8 +54,9 @@ def transposed(a: jax.Array, dtype) -> jax.Array:
     a transposed operand as it stands.
     """
     if jnp.dtype(dtype).itemsize >= 4 or jax.default_backend() != "cpu":
-        return a.T
-    return jax.lax.optimization_barrier(a.astype(dtype).T.reshape(-1)).reshape(a.shape[1], a.shape[0])
+        return a.transpose(axes)
+    swapped = a.astype(dtype).transpose(axes)
+    return jax.lax.optimization_barrier(swapped.reshape(-1)).reshape(swapped.shape)
 
 
 def fastest_products() -> str:
