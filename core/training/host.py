@@ -30,11 +30,11 @@ A heap that never shrinks suits a run whose arenas are a small part of the machi
 fine-tuning presets, whose memory estimate is 6 GB, grew it past this machine's 24 GB in
 fragments (and were killed for it), where with glibc's own settings they peak at some 13 GB;
 SmolLM2's (`apps train lm --preset smollm2`, estimate 4.2 GB) to 12 GB after 2 steps, 16.7 GB
-after 8 and 18 GB over the run, where given back it peaks at 7.9 GB (for 10% fewer tokens a
-second: 390 against 431). `give_back_freed_memory` restores glibc's mapping and trimming for
-the rest of the process: `core.run.train` calls it when a run's estimate is over an eighth of
-the memory available (the estimates run low by up to half, and the kept heap grows to twice
-a run's real peak and on).
+after 8 and 18 GB over the run, where given back it peaks at 7.9 GB (then for 10% fewer tokens
+a second, 390 against 431; with huge pages, giving back costs nothing, as above).
+`give_back_freed_memory` restores glibc's mapping and trimming for the rest of the process:
+`core.run.train` calls it when a run's estimate is over an eighth of the memory available (the
+estimates run low by up to half, and the kept heap grows to twice a run's real peak and on).
 """
 
 from __future__ import annotations
