@@ -246,3 +246,36 @@ def test_bfloat16_products_and_their_gradients_stay_bfloat16_where_xla_compiles_
         output_dots = helpers.compiled_dot_operands(jax.value_and_grad(output, (0, 1)), x, table)
     assert len(layer_dots) == 3 and len(output_dots) == 3  # forward, and both gradients
     assert set(layer_dots + output_dots) == {("bf16", "bf16")}
+
+
+@pytest.mark.parametrize("kind", ["swiglu", "geglu"])
+def test_a_gated_mlp_saves_its_input_for_the_backward_in_the_products_dtype(kind):
+    """The gate's backward reads the up projection's output as the products would read it: in
+    float32 exactly autodiff's gradient; under bfloat16 products, autodiff's gradient at the
+    bfloat16 rounding of that output, while the forward value stays unrounded."""
+    from core.model.layers import MLP, _gated
+    from core.model.precision import products_in
+
+    rng = np.random.default_rng(3)
+    gate_up = jnp.asarray(rng.standard_normal((6, 16)), jnp.float32)
+    cotangent = jnp.asarray(rng.standard_normal((6, 8)), jnp.float32)
+
+    def plain(x):
+        gate, up = jnp.split(x, 2, axis=-1)
+        return MLP.GATES[kind](gate) * up
+
+    def value_and_grad(function, x):
+        value, pullback = jax.vjp(function, x)
+        return value, pullback(cotangent)[0]
+
+    value, grad = value_and_grad(lambda x: _gated(kind, x), gate_up)
+    expected_value, expected_grad = value_and_grad(plain, gate_up)
+    np.testing.assert_allclose(value, expected_value, rtol=1e-6)
+    np.testing.assert_allclose(grad, expected_grad, rtol=1e-6, atol=1e-7)
+    with products_in("bfloat16"):
+        value, grad = jax.jit(lambda x: value_and_grad(lambda y: _gated(kind, y), x))(gate_up)
+    rounded = gate_up.astype(jnp.bfloat16).astype(jnp.float32)
+    # Compiled, XLA's fused tanh and sigmoid differ from eager ones in the last bits.
+    np.testing.assert_allclose(value, expected_value, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(grad, value_and_grad(plain, rounded)[1], rtol=1e-5, atol=1e-6)
+    assert np.abs(grad - expected_grad).max() > 1e-4  # the rounding shows

@@ -24,7 +24,7 @@ from core.model.attention import (
     memory_weighted,
 )
 from core.model.cache import KeyValues, write
-from core.model.precision import matmul
+from core.model.precision import matmul, narrower
 from core.model.quantized import LinearKernel
 
 
@@ -232,11 +232,34 @@ class MLP(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         h = self.up(x)
         if self.kind in self.GATES:
-            gate, h = jnp.split(h, 2, axis=-1)
-            h = self.GATES[self.kind](gate) * h
+            h = _gated(self.kind, h)
         else:
             h = jax.nn.gelu(h, approximate=self.kind == "gelu")
         return self.down(h)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _gated(kind: str, gate_up: jax.Array) -> jax.Array:
+    """MLP.GATES[kind](gate) * up, the halves of `gate_up` [..., 2F] -> [..., F]. Its backward
+    reads `gate_up` as saved in the products' dtype (`narrower`): under bfloat16 products the
+    step keeps half the bytes of the layer's widest activation (SmolLM2: 30 x 25 MB in float32
+    at 4 x 512 tokens), rounded as the products round their operands."""
+    gate, up = jnp.split(gate_up, 2, axis=-1)
+    return MLP.GATES[kind](gate) * up
+
+
+def _gated_forward(kind, gate_up):
+    return _gated(kind, gate_up), gate_up.astype(narrower(gate_up.dtype))
+
+
+def _gated_backward(kind, saved, grad):
+    gate, up = jnp.split(saved.astype(grad.dtype), 2, axis=-1)
+    activated, pullback = jax.vjp(MLP.GATES[kind], gate)
+    (grad_gate,) = pullback(grad * up)
+    return (jnp.concatenate([grad_gate, grad * activated], axis=-1),)
+
+
+_gated.defvjp(_gated_forward, _gated_backward)
 
 
 def make_norm(config: ModelConfig) -> Norm:
