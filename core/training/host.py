@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 import re
 import sys
@@ -61,8 +62,10 @@ TRANSPARENT_HUGE_PAGES = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 _kept = False  # whether keep_freed_memory took effect (and was not given back since)
 
 
+@functools.cache
 def _libc():
-    """glibc with `mallopt` typed, or None elsewhere."""
+    """glibc with `mallopt` typed, or None elsewhere; looked up once a process (`find_library`
+    runs `ldconfig -p`, and `tune_process` asks before `keep_freed_memory` does)."""
     if not sys.platform.startswith("linux"):
         return None
     try:
