@@ -268,7 +268,7 @@ def test_warm_up_compiles_every_prompt_width_once_and_requests_compile_nothing_m
 def test_narrow_weights_decode_in_slots_as_the_narrowed_model_does_alone(dtype):
     """An engine given dtype="bfloat16" holds every linear kernel in bfloat16 and nothing else
     (the embeddings and norms stay float32), "int8" those kernels and the token table in int8
-    with float32 scales, "int4" the kernels in four bits and the table int8; its slots give,
+    with float32 scales, "int4" the kernels in four bits (float16 scales) and the table int8; its slots give,
     token for token, what the core's generation gives each request alone with those weights."""
     import jax
     from flax import nnx
@@ -282,8 +282,9 @@ def test_narrow_weights_decode_in_slots_as_the_narrowed_model_does_alone(dtype):
         dtypes.setdefault("'kernel'" in jax.tree_util.keystr(path), set()).add(leaf.dtype.name)
     if dtype == "bfloat16":
         assert dtypes == {True: {"bfloat16"}, False: {"float32"}}
-    else:  # four-bit kernels hold two weights a uint8; the table is int8 either way, the norms float32
-        assert dtypes == {True: {"int8" if dtype == "int8" else "uint8", "float32"}, False: {"int8", "float32"}}
+    else:  # four-bit kernels: two weights a uint8, float16 scales; the table int8 either way, the norms float32
+        kernels = {"int8", "float32"} if dtype == "int8" else {"uint8", "float16"}
+        assert dtypes == {True: kernels, False: {"int8", "float32"}}
     lengths = [6, 2, 9]
     collectors = [Collector() for _ in lengths]
     run_all(engine, [Request(PROMPTS[i], n, c) for i, (n, c) in enumerate(zip(lengths, collectors))], collectors)

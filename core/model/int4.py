@@ -50,7 +50,8 @@ class Int4:
         outputs = self.values.shape[0]
         packed = self.values.reshape(outputs, -1, GROUP // 2)  # [O, groups, 16]
         q = jnp.concatenate([packed & 15, packed >> 4], axis=-1)  # weights 32g + k, then 32g + 16 + k
-        weights = q.astype(jnp.float32) * self.scales[..., None] + self.offsets[..., None]
+        scales, offsets = self.scales.astype(jnp.float32), self.offsets.astype(jnp.float32)
+        weights = q.astype(jnp.float32) * scales[..., None] + offsets[..., None]
         return weights.reshape(outputs, -1)
 
     def astype(self, dtype) -> jax.Array:
@@ -71,15 +72,26 @@ def fits(kernel: jax.Array) -> bool:
     return kernel.ndim == 2 and kernel.shape[0] % GROUP == 0
 
 
+def _float16(values: jax.Array, direction: float) -> jax.Array:
+    """float32 values -> the nearest float16 ones on the side of `direction` (-inf: at most each
+    value, inf: at least)."""
+    rounded = values.astype(jnp.float16)
+    wrong_side = rounded.astype(jnp.float32) > values if direction < 0 else rounded.astype(jnp.float32) < values
+    return jnp.where(wrong_side, jnp.nextafter(rounded, jnp.asarray(direction, jnp.float16)), rounded)
+
+
 def quantize(kernel: jax.Array) -> Int4:
     """A kernel [I, O] (I a multiple of `GROUP`) -> four bits a weight: each group of 32 inputs
-    of an output spans its minimum to its maximum in 15 steps, both ends exact."""
+    of an output spans from its offset (its minimum rounded down to float16) in 15 steps of its
+    scale (rounded up to float16, so that the 15 reach its maximum), every weight within half a
+    step. Weights beyond float16's range (65,504) do not fit."""
     rows = jnp.asarray(kernel, jnp.float32).T
     outputs, inputs = rows.shape
     groups = rows.reshape(outputs, inputs // GROUP, GROUP)
-    low, high = groups.min(-1), groups.max(-1)
-    scales = jnp.maximum(high - low, 1e-30) / _LEVELS
-    q = jnp.clip(jnp.round((groups - low[..., None]) / scales[..., None]), 0, _LEVELS).astype(jnp.uint8)
+    low = _float16(groups.min(-1), -jnp.inf)
+    scales = _float16(jnp.maximum(groups.max(-1) - low.astype(jnp.float32), 1e-7) / _LEVELS, jnp.inf)
+    steps = (groups - low[..., None].astype(jnp.float32)) / scales[..., None].astype(jnp.float32)
+    q = jnp.clip(jnp.round(steps), 0, _LEVELS).astype(jnp.uint8)
     packed = q[..., : GROUP // 2] | q[..., GROUP // 2 :] << 4
     return Int4(packed.reshape(outputs, inputs // 2), scales, low)
 

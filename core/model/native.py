@@ -90,7 +90,7 @@ def int4_rows(x: jax.Array, values: jax.Array, scales: jax.Array, offsets: jax.A
     and offsets [O, I/32]). Only where `available()`."""
     out = jax.ShapeDtypeStruct((x.shape[0], values.shape[0]), jnp.float32)
     call = jax.ffi.ffi_call("apps_int4_rows", out, vmap_method="sequential")
-    return call(x.astype(jnp.float32), values, scales.astype(jnp.float32), offsets.astype(jnp.float32))
+    return call(x.astype(jnp.float32), values, scales.astype(jnp.float16), offsets.astype(jnp.float16))
 
 
 def cached_rows(q, k, v, keys, values, first, lengths, window: int | None) -> jax.Array:
