@@ -3,15 +3,21 @@ and fine-tuning speed (the tiny GGUF of tests/tiny_gguf.py here)."""
 
 import json
 
+import pytest
 from helpers import apps
 from tiny_gguf import write_tiny_gguf
 
 from core.bench import checkpoint, decode
 
 
-def test_decoding_on_random_weights_runs():
+def test_decoding_on_random_weights_runs_and_times_the_tokens_after_the_prompt_apart():
+    """Beside the whole call's rate, the rate after the prompt (llama-bench's tg): the 127 tokens
+    after the first over the call's time less that of a call that stops at the first token."""
     result = decode.run_decode(decode.DecodeRun("small", 1, True, calls=1))
     assert result["new_tokens"] == decode.NEW_TOKENS and result["new_tokens_per_s"] > 0
+    assert 0 < result["prompt_s"] < result["call_s"]
+    after = (decode.NEW_TOKENS - 1) / (result["call_s"] - result["prompt_s"])
+    assert result["after_prompt_tokens_per_s"] == pytest.approx(after)
 
 
 def test_a_pretrained_decoders_decode_and_finetune_speed(tmp_path):

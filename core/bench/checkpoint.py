@@ -31,13 +31,14 @@ def decode(name: str, console: Console) -> list[dict]:
     model = build_model(task, None, task.config, from_pretrained=True)
     table = figures(
         title=f"{name}: greedy decoding, {PROMPT_TOKENS}-token prompts, {NEW_TOKENS} new tokens",
-        caption="new tok/s over the whole call, prefill included, best of 3 calls (median beside it); "
+        caption="new tok/s over the whole call, prefill included, best of 3 calls (median beside it); after "
+        "prompt: the tokens after each row's first over the call less a call that stops there (llama-bench's tg); "
         "bfloat16: the linear layers' weights in bfloat16, multiplied in bfloat16 with float32 sums; "
         "int8: those and the token table in int8, a scale per output, multiplied in int8 with int32 sums "
         "(core.model.quantized); int4: the linear layers' weights in four bits, groups of 32 with a scale and "
         "offset, multiplied by our kernel in float32 sums (core.model.int4), the table int8; the activations "
         "and cache in float32.",
-        columns=("weights", "batch", "new tok/s", "median", "call s", "compile s"),
+        columns=("weights", "batch", "new tok/s", "median", "after prompt", "call s", "compile s"),
     )
     results = []
     graphdef, params = nnx.split(model)
@@ -49,6 +50,7 @@ def decode(name: str, console: Console) -> list[dict]:
             str(batch_size),
             f"{result['new_tokens_per_s']:,.1f}",
             f"{result['median_new_tokens_per_s']:,.1f}",
+            f"{result['after_prompt_tokens_per_s']:,.1f}",
             f"{result['call_s']:.2f}",
             f"{result['compile_s']:.1f}",
         )

@@ -60,22 +60,29 @@ def run_decode(run: DecodeRun) -> dict[str, float]:
 
 def time_generation(model, vocab_size: int, batch_size: int, use_cache: bool = True, calls: int = 3) -> dict:
     """New tokens per second of greedy `generate` calls (64-token prompts, 128 new tokens)
-    after a warm-up call that compiles: the best call and the median."""
+    after a warm-up call that compiles: the best call and the median; and the rate after the
+    prompt (llama-bench's tg): the tokens after each row's first over the best call's time less
+    the best time of calls that stop at the first token (the prompt's forward pass and one
+    token)."""
     prompts = np.random.default_rng(0).integers(0, vocab_size, (batch_size, PROMPT_TOKENS))
 
-    def call() -> tuple[float, int]:
+    def call(new_tokens: int = NEW_TOKENS) -> tuple[float, int]:
         started = time.perf_counter()
-        result = generate(model, prompts, max_new_tokens=NEW_TOKENS, use_cache=use_cache)
+        result = generate(model, prompts, max_new_tokens=new_tokens, use_cache=use_cache)
         return time.perf_counter() - started, int(result.lengths.sum())
 
     first, _ = call()
     times, counts = zip(*(call() for _ in range(calls)))
+    call(1)
+    prompt_s = min(call(1)[0] for _ in range(calls))
     return {
         "params": sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))),
         "new_tokens": counts[0],
         "new_tokens_per_s": counts[0] / min(times),
         "median_new_tokens_per_s": counts[0] / float(np.median(times)),
+        "after_prompt_tokens_per_s": (counts[0] - batch_size) / (min(times) - prompt_s),
         "call_s": min(times),
+        "prompt_s": prompt_s,
         "compile_s": first - min(times),
     }
 
@@ -90,8 +97,9 @@ def decode(models: Sequence[str], console: Console) -> list[dict]:
         title=f"greedy decoding (f32), {PROMPT_TOKENS}-token prompts, {NEW_TOKENS} new tokens, "
         f"on {jax.devices()[0].device_kind}",
         caption="new tok/s: new tokens over the whole call, prefill included, best of the timed calls "
-        "(median beside it); no cache: the full forward pass again at every token. Times in s.",
-        columns=("model", "params", "batch", "cache", "new tok/s", "median", "call", "compile"),
+        "(median beside it); after prompt: the tokens after each row's first over the call less a call that "
+        "stops there (llama-bench's tg); no cache: the full forward pass again at every token. Times in s.",
+        columns=("model", "params", "batch", "cache", "new tok/s", "median", "after prompt", "call", "compile"),
     )
     results = []
     for run in [run for run in DECODE_RUNS if not models or run.model in models]:
@@ -104,6 +112,7 @@ def decode(models: Sequence[str], console: Console) -> list[dict]:
             "on" if run.use_cache else "off",
             f"{result['new_tokens_per_s']:,.0f}",
             f"{result['median_new_tokens_per_s']:,.0f}",
+            f"{result['after_prompt_tokens_per_s']:,.0f}",
             f"{result['call_s']:.2f}",
             f"{result['compile_s']:.1f}",
         )
