@@ -35,8 +35,8 @@ def decode(name: str, console: Console) -> list[dict]:
         "prompt: the tokens after each row's first over the call less a call that stops there (llama-bench's tg); "
         "bfloat16: the linear layers' weights in bfloat16, multiplied in bfloat16 with float32 sums; "
         "int8: those and the token table in int8, a scale per output, multiplied in int8 with int32 sums "
-        "(core.model.quantized); int4: the linear layers' weights in four bits, groups of 32 with a scale and "
-        "offset, multiplied by our kernel in float32 sums (core.model.int4), the table int8; the activations "
+        "(core.model.quantized); int4: the linear layers' weights in four bits, groups of 32 with a float16 scale "
+        "and offset, multiplied by our kernel (core.model.int4), the table int8; the activations "
         "and cache in float32.",
         columns=("weights", "batch", "new tok/s", "median", "after prompt", "call s", "compile s"),
     )

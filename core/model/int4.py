@@ -1,12 +1,13 @@
 """Four-bit decoding weights: a linear layer's kernel in groups of 32 inputs, each group's
-weights as integers 0-15 with a float32 scale and offset (w = q * scale + offset, the layout of
+weights as integers 0-15 with a float16 scale and offset (w = q * scale + offset, the layout of
 llama.cpp's Q4_1, which llama-server serves SmolLM2 in), two to a byte.
 
 A decoding step reads every weight once, and its time follows those bytes: SmolLM2's linear
-layers read 106 MB a token in int8, 80 MB in four bits (0.75 bytes a weight with the group's
-float32 scale and offset; Q4_1's float16 ones make 0.625). XLA has no product that reads
-four-bit weights in place, so the few rows of a decoding step go through `core.model.native`
-(our kernel: the weights widen to float32 in registers, float32 sums); more rows (a prompt), or
+layers read 106 MB a token in int8, 66 MB in four bits (0.625 bytes a weight with the group's
+scale and offset; 80 MB with float32 ones). XLA has no product that reads four-bit weights in
+place, so the few rows of a decoding step go through `core.model.native` (our kernel: one to
+three rows summed in integers, the activations in two int8 parts a group; blocks of four rows
+with the weights widened to float32 in registers); more rows (a prompt), or
 a machine where that kernel cannot be built, dequantize the matrix to bfloat16 and multiply
 through XLA. The token table stays int8 (`core.model.quantized`), as the GGUF's is Q8_0. A scale
 per 32 inputs follows the weights closer than int8's one per output: SmolLM2's logits move less
@@ -98,7 +99,8 @@ def quantize(kernel: jax.Array) -> Int4:
 
 def product(x: jax.Array, weight: Int4) -> jax.Array:
     """x [..., I] @ the kernel -> [..., O] in x's dtype: fewer than `NATIVE_ROWS` rows through our
-    kernel in float32 sums, more (or without it) through the matrix dequantized to bfloat16."""
+    kernel (`core.model.native.int4_rows`), more (or without it) through the matrix dequantized to
+    bfloat16."""
     lead = x.shape[:-1]
     rows = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
     if rows.shape[0] < NATIVE_ROWS and native.available():

@@ -85,9 +85,11 @@ def available() -> bool:
 
 
 def int4_rows(x: jax.Array, values: jax.Array, scales: jax.Array, offsets: jax.Array) -> jax.Array:
-    """x [R, I] float32 times four-bit weights [O, I] -> [R, O] float32, in float32 sums: the
-    weights as `core.model.int4.Int4` holds them (values [O, I/2] uint8, two to a byte; scales
-    and offsets [O, I/32]). Only where `available()`."""
+    """x [R, I] float32 times four-bit weights [O, I] -> [R, O] float32: the weights as
+    `core.model.int4.Int4` holds them (values [O, I/2] uint8, two to a byte; scales and offsets
+    [O, I/32] float16). Rows in blocks of four: the weights widened to float32, float32 sums; the
+    one to three left: each group of 32 inputs in two int8 parts (within 1/32,258 of its largest
+    magnitude), integer sums (kernels/int4_rows.cc). Only where `available()`."""
     out = jax.ShapeDtypeStruct((x.shape[0], values.shape[0]), jnp.float32)
     call = jax.ffi.ffi_call("apps_int4_rows", out, vmap_method="sequential")
     return call(x.astype(jnp.float32), values, scales.astype(jnp.float16), offsets.astype(jnp.float16))

@@ -1,18 +1,22 @@
 // Int4 weights times float32 rows on the CPU, for the few rows of a decoding step
 // (core/model/native.py builds this folder and registers it with XLA; core/model/int4.py calls it):
-//   y[r, o] = sum_g scales[o, g] * d[r, g] * sum_j a[r, 32g + j] * q[o, 32g + j] + offsets[o, g] * sum_j x[r, 32g + j]
+//   y[r, o] = sum_g scales[o, g] * sum_j x[r, 32g + j] * q[o, 32g + j] + offsets[o, g] * sum_j x[r, 32g + j]
 // where q in [0, 15] are the weights of output o, two to a byte (byte k of group g holds weight
-// 32g + k in its low four bits and 32g + 16 + k in its high four), scales and offsets float16,
-// and a = x / d each row's group of 32 inputs in two int8 parts (`Activations`), d = the group's
-// largest magnitude / 127: within 1/32,000 of it, where llama.cpp's one part (Q8_1) is within 1/254.
+// 32g + k in its low four bits and 32g + 16 + k in its high four), scales and offsets float16.
 //
 // Why a kernel of our own: a decoding step reads every weight once, so its time is the bytes it
 // reads, and XLA has no product that reads four-bit weights without writing them out wider
 // first. Here each output's weights lie in one contiguous row, read in order through the matrix
-// (the hardware prefetcher's best case), and a group's 32 products are summed in integers by one
-// or two instructions (VNNI's dpbusd where the CPU has it, else AVX2's maddubs and madd): the
-// weights never widen past a byte, so the kernel keeps up with memory on AVX2 alone. Work is split
-// by outputs between the calling thread and a helper thread of our own (`Helper`).
+// (the hardware prefetcher's best case). One to three rows (`block`) multiply in integers: each
+// row's group of 32 inputs in two int8 parts (`Activations`: within 1/32,258 of its largest
+// magnitude, where llama.cpp's one part, Q8_1, is within 1/254), a pair of groups' 64 products
+// summed by a few instructions (VNNI's dpbusd where the CPU has it, else AVX2's maddubs and
+// madd), the weights never wider than a byte. Blocks of four rows (`widened_block`) widen each
+// group's weights to float32 once for the four and sum in float32, cheaper a row than the two
+// parts. The products of SmolLM2's 30 layers at one row: 6.5 against 7.6-8.0 ms for float32
+// throughout with float32 scales (6.4-6.8 against 7.7-8.0 with AVX2 alone); at eight rows 16.5-17.8
+// against 16.9. Work is split by outputs between the calling thread and a helper thread of our
+// own (`Helper`).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -41,9 +45,9 @@ static inline int64_t place(int64_t i, int64_t inputs) {
 
 static inline __m256i bytes32(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
 
-// 127 * (w1 . a1 + w2 . a2) + (w1 . b1 + w2 . b2) in eight int32 lanes, each the sum of its four
-// bytes' products: unsigned weights w in [0, 15], activations' high parts a and low parts b. At
-// most 64 * 15 * (127 * 127 + 64) in a lane: exact in int32 and in float32 (under 2^24).
+// 127 * (w1 . a1 + w2 . a2) + (w1 . b1 + w2 . b2) in eight int32 lanes, each from four bytes of
+// each vector: unsigned weights w in [0, 15], activations' high parts a and low parts b. At most
+// 8 * 15 * (127 * 127 + 64) in a lane: exact in int32 and in float32 (under 2^24).
 static inline __m256i sums(__m256i w1, __m256i w2, __m256i a1, __m256i a2, __m256i b1, __m256i b2) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
   const __m256i zero = _mm256_setzero_si256();
