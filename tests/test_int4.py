@@ -106,6 +106,20 @@ def test_a_compiler_that_fails_is_named_with_its_message(monkeypatch, tmp_path):
         native.built()
 
 
+def test_a_kernel_beyond_float16s_range_or_groups_stays_int8():
+    """Four bits keep float16 scales and offsets: a kernel with a weight past 65,504, or inputs
+    that do not divide into groups of 32, narrows to int8 instead (no infinite offset)."""
+    table = {
+        "kernel": quantized.LinearKernel(jnp.ones((64, 4)).at[3, 1].set(-7e4)),
+        "odd": quantized.LinearKernel(jnp.ones((48, 4))),
+    }
+    got = narrowed(nnx.State(table), "int4")
+    assert isinstance(got["kernel"][...], quantized.Quantized) and isinstance(got["odd"][...], quantized.Quantized)
+    assert isinstance(
+        narrowed(nnx.State({"kernel": quantized.LinearKernel(jnp.ones((64, 4)))}), "int4")["kernel"][...], int4.Int4
+    )
+
+
 def test_a_four_bit_kernel_is_read_whole():
     with pytest.raises(TypeError, match="read whole"):
         int4.quantize(jnp.ones((32, 3)))[jnp.asarray([1])]

@@ -25,6 +25,7 @@ from core.model import native
 
 GROUP = 32
 _LEVELS = 15.0
+_FLOAT16_MAX = float(jnp.finfo(jnp.float16).max)
 # Products of fewer rows go through `core.model.native`.
 NATIVE_ROWS = 64
 
@@ -69,8 +70,9 @@ class Int4:
 
 
 def fits(kernel: jax.Array) -> bool:
-    """Whether a kernel [I, O] divides into groups of `GROUP` inputs."""
-    return kernel.ndim == 2 and kernel.shape[0] % GROUP == 0
+    """Whether a kernel [I, O] (concrete: a checkpoint's) divides into groups of `GROUP` inputs
+    and its weights lie within float16's range, where its scales and offsets are kept."""
+    return kernel.ndim == 2 and kernel.shape[0] % GROUP == 0 and float(jnp.abs(kernel).max()) <= _FLOAT16_MAX
 
 
 def _float16(values: jax.Array, direction: float) -> jax.Array:
@@ -85,7 +87,7 @@ def quantize(kernel: jax.Array) -> Int4:
     """A kernel [I, O] (I a multiple of `GROUP`) -> four bits a weight: each group of 32 inputs
     of an output spans from its offset (its minimum rounded down to float16) in 15 steps of its
     scale (rounded up to float16, so that the 15 reach its maximum), every weight within half a
-    step. Weights beyond float16's range (65,504) do not fit."""
+    step. Weights beyond float16's range (65,504) do not fit (`fits`)."""
     rows = jnp.asarray(kernel, jnp.float32).T
     outputs, inputs = rows.shape
     groups = rows.reshape(outputs, inputs // GROUP, GROUP)

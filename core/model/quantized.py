@@ -94,8 +94,9 @@ def quantize(matrix: jax.Array, axis: int) -> Quantized:
 
 def quantized(variable: nnx.Variable, dtype: str = "int8") -> nnx.Variable:
     """An nnx variable of the decoding weights in `dtype` where int8 or int4 decoding takes it:
-    a linear kernel (`LinearKernel`) in int8, or with "int4" in four bits where its inputs divide
-    into groups (`core.model.int4`); the token table (`TokenTable`) in int8; anything else as
+    a linear kernel (`LinearKernel`) in int8, or with "int4" in four bits where it fits
+    (`core.model.int4.fits`: its inputs divide into groups, its weights within float16's range);
+    the token table (`TokenTable`) in int8; anything else as
     it is."""
     if isinstance(variable, LinearKernel):
         if dtype == "int4" and int4.fits(variable[...]):
