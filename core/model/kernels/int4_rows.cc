@@ -61,12 +61,6 @@ static inline __m256i sums(__m256i w1, __m256i w2, __m256i a1, __m256i a2, __m25
 #endif
 }
 
-static inline float sum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
 // The rows of x as the kernel reads them: each group of 32 inputs scaled to [-127, 127] by its
 // largest magnitude, in two int8 parts (`high` rounded, then its rounding error times 127 rounded
 // again: one part alone moved SmolLM2's logits by up to 4), in `place` order, with the step of
@@ -105,11 +99,6 @@ struct Activations {
   }
 
  private:
-  static float max8(__m256 v) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-  }
   // Eight int32 lanes in [-127, 127] as eight bytes.
   static void store8(int8_t* p, __m256i v) {
     const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(v, v), v);  // lanes 0-3 in bytes 0-3, 4-7 in 16-19
@@ -247,7 +236,10 @@ static void rows_block(const Activations& a, int64_t r, const uint8_t* values, c
 // unpacked once for the four), then two or one by four outputs (more sums side by side).
 static void outputs_range(const Activations& a, const uint8_t* values, const uint16_t* scales, const uint16_t* offsets,
                           float* y, int64_t rows, int64_t inputs, int64_t outputs, int64_t begin, int64_t end) {
-  std::vector<float> both(8 * inputs / kGroup * 4);  // the scales of a block's rows and outputs: 8 of them at most
+  // The scales of a block's rows and outputs (8 of them at most), a buffer per thread kept across
+  // calls: no allocation on a decoding step's path.
+  thread_local std::vector<float> both;
+  both.resize(8 * inputs / kGroup * 4);
   int64_t r = 0;
   for (; r + 4 <= rows; r += 4) rows_block<4, 2>(a, r, values, scales, offsets, y, inputs, outputs, begin, end, both.data());
   for (; r + 2 <= rows; r += 2) rows_block<2, 4>(a, r, values, scales, offsets, y, inputs, outputs, begin, end, both.data());

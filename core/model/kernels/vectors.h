@@ -6,6 +6,19 @@
 
 #include <cstdint>
 
+// The sum and the largest of eight float32 lanes (AVX2's vectors, and the 256-bit ones of
+// kernels that use them on AVX-512 too).
+static inline float sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+static inline float max8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
 // A bfloat16 number as stored: the high half of a float32's bits.
 struct BFloat16 {
   uint16_t bits;
@@ -69,16 +82,8 @@ static inline Vec round_down(Vec v) { return _mm256_floor_ps(v); }
 static inline Vec two_to(Vec n) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
 }
-static inline float total(Vec v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_hadd_ps(s, s);
-  return _mm_cvtss_f32(_mm_hadd_ps(s, s));
-}
-static inline float largest(Vec v) {
-  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
-}
+static inline float total(Vec v) { return sum8(v); }
+static inline float largest(Vec v) { return max8(v); }
 #else
 #error "our kernels need AVX2 and FMA, or AVX-512"
 #endif
