@@ -4,7 +4,10 @@ first use into one library, whose handlers are registered as XLA FFI targets (`j
 - `int4_rows` multiplies a few float32 rows by four-bit weights stored one row per output, the
   product of a decoding step (`core.model.int4.product`);
 - `cached_rows` attends one new query per row over its key/value cache, reading only the slots
-  each row holds (`core.model.attention.cached_attention`).
+  each row holds (`core.model.attention.cached_attention`);
+- `tile_columns` and `tile_product` multiply in bfloat16 with float32 sums on AMX tiles, the
+  large products of a training step on CPUs that have them (`core.model.precision.product`;
+  `tiles_ready()`).
 
 The library is built once per source, jaxlib, compiler and CPU (`-march=native`) into the cache
 folder (~/.cache/apps/kernels), where concurrent processes each rename a whole file into place.
@@ -34,7 +37,13 @@ import numpy as np
 from core.paths import cache_folder
 
 KERNELS = Path(__file__).with_name("kernels")
-TARGETS = {"apps_int4_rows": "Int4Rows", "apps_cached_rows": "CachedAttention"}  # XLA's name: the handler
+# XLA's name: the handler
+TARGETS = {
+    "apps_int4_rows": "Int4Rows",
+    "apps_cached_rows": "CachedAttention",
+    "apps_tile_columns": "TileColumns",
+    "apps_tile_product": "TileProduct",
+}
 log = logging.getLogger("apps")
 
 
@@ -69,19 +78,32 @@ def built() -> Path:
 
 
 @functools.cache
-def available() -> bool:
-    """Whether our kernels run here: built and registered (once a process), else False with
+def _library() -> ctypes.CDLL | None:
+    """Our kernels' library, built and its handlers registered (once a process), else None with
     the reason logged."""
     if jax.default_backend() != "cpu":
-        return False
+        return None
     try:
         library = ctypes.cdll.LoadLibrary(str(built()))
     except OSError as error:
-        log.warning("int4 products and cached attention go through XLA alone: %s", error)
-        return False
+        log.warning("int4 products, cached attention and AMX products go through XLA alone: %s", error)
+        return None
     for target, handler in TARGETS.items():
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, handler)), platform="cpu")
-    return True
+    return library
+
+
+def available() -> bool:
+    """Whether our kernels run here: built and registered, else False with the reason logged."""
+    return _library() is not None
+
+
+@functools.cache
+def tiles_ready() -> bool:
+    """Whether `tile_product` runs here: our kernels built for a CPU with AMX's bfloat16 tiles,
+    which Linux lets this process use (it asks once, `apps_tiles_ready`)."""
+    library = _library()
+    return library is not None and bool(library.apps_tiles_ready())
 
 
 def int4_rows(x: jax.Array, values: jax.Array, scales: jax.Array, offsets: jax.Array) -> jax.Array:
@@ -113,3 +135,32 @@ def cached_rows(q, k, v, keys, values, first, lengths, window: int | None) -> ja
         lengths.astype(jnp.int32),
         window=np.int64(window or 0),
     )
+
+
+def _whole(n: int) -> int:
+    return -(-n // 32) * 32
+
+
+def tile_columns(b: jax.Array, transposed: bool = False) -> jax.Array:
+    """b [K, N] (float32 or bfloat16; stored [N, K] when `transposed`) -> its bfloat16 panels for
+    `tile_product`, [N/32, K/2, 64] with K and N rounded up to 32: each panel 32 columns, each row
+    of it a pair of b's rows side by side, as AMX's TDPBF16PS reads them (kernels/bf16_tiles.cc).
+    Only where `tiles_ready()`."""
+    depth, columns = b.shape[::-1] if transposed else b.shape
+    out = jax.ShapeDtypeStruct((_whole(columns) // 32, _whole(depth) // 2, 64), jnp.bfloat16)
+    return jax.ffi.ffi_call("apps_tile_columns", out, vmap_method="sequential")(b, transposed=np.bool_(transposed))
+
+
+def tile_product(a: jax.Array, panels: jax.Array, columns: int, transposed: bool = False) -> jax.Array:
+    """a [M, K] (float32 or bfloat16; stored [K, M] when `transposed`) times the b [K, N =
+    `columns`] of `panels` (`tile_columns`) -> [M, N] float32: each operand rounded to bfloat16
+    as XLA rounds it, each product exact, the sums in float32 on AMX tiles. The second result is
+    the kernel's copy of a in whole tiles, a buffer XLA allocates for the call. Only where
+    `tiles_ready()`."""
+    rows, depth = a.shape[::-1] if transposed else a.shape
+    out = (
+        jax.ShapeDtypeStruct((rows, columns), jnp.float32),
+        jax.ShapeDtypeStruct((_whole(rows), _whole(depth)), jnp.bfloat16),
+    )
+    call = jax.ffi.ffi_call("apps_tile_product", out, vmap_method="sequential")
+    return call(a, panels, transposed=np.bool_(transposed))[0]

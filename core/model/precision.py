@@ -3,10 +3,12 @@
 `products_in(dtype)` sets, while a function is traced, the dtype that the core's products run
 in where it is narrower than their operands (`train.matmul_dtype`; "auto" is `fastest_products`);
 `narrower` reads it;
-`product`, `einsum_product` and `matmul` multiply in it with float32 sums; `transposed` lays an
+`product`, `einsum_product` and `matmul` multiply in it with float32 sums (a layer's bfloat16
+products on AMX tiles where the CPU has them, `core.model.native`); `transposed` lays an
 operand out so that XLA:CPU multiplies it in that dtype; `narrowed` gives decoding weights in a
 narrower dtype. The model's layers (`core.model.transformer`, `core.model.attention`) and the
-training losses import it; it imports `core.model.quantized` alone of the core (which brings `core.model.int4`).
+training losses import it; it imports `core.model.quantized` and `core.model.native` alone of
+the core.
 """
 
 from __future__ import annotations
@@ -21,25 +23,59 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from core.model import quantized
+from core.model import native, quantized
 
 
-def product(a: jax.Array, b: jax.Array, dtype) -> jax.Array:
+def product(a: jax.Array, b: jax.Array, dtype, a_transposed: bool = False, b_transposed: bool = False) -> jax.Array:
     """a [..., I] @ b [I, O] multiplied in `dtype`: in float32 (or wider) as it stands; in a
     narrower float (bfloat16) with both operands in it, the sums in float32 and a float32 result.
+    `a_transposed`: a is a matrix stored [I, M], multiplied as its transpose (a weight's gradient,
+    x^T g); `b_transposed`: b is stored [O, I] (an input's gradient, g W^T).
 
-    On XLA:CPU, bfloat16 products with a float32 result run through YNNPACK at 1.5-2.8x the
-    speed of float32 ones (SmolLM2's layer shapes at 2 to 2,048 rows), while a bfloat16 result,
-    or weights converted up to float32 before a float32 product, run 5-10x slower. With a
-    single row XLA takes yet another path, 8x slower, so one row is multiplied as two.
+    On a CPU with AMX, bfloat16 products of a layer's size go to our kernel (`_tiled`), which
+    reads either operand as stored, transposed or not, float32 or bfloat16. Elsewhere, on
+    XLA:CPU, bfloat16 products with a float32 result run through YNNPACK at 1.5-2.8x the speed of
+    float32 ones (SmolLM2's layer shapes at 2 to 2,048 rows), while a bfloat16 result, or weights
+    converted up to float32 before a float32 product, run 5-10x slower. With a single row XLA
+    takes yet another path, 8x slower, so one row is multiplied as two.
     """
-    if jnp.dtype(dtype).itemsize >= 4:
+    narrow = jnp.dtype(dtype).itemsize < 4
+    rows, depth = a.shape[::-1] if a_transposed else (math.prod(a.shape[:-1]), a.shape[-1])
+    columns = b.shape[0] if b_transposed else b.shape[1]
+    if narrow and jnp.dtype(dtype) == jnp.bfloat16 and _tiled(rows, depth, columns):
+        a, b = (x if x.dtype in (jnp.float32, jnp.bfloat16) else x.astype(dtype) for x in (a, b))
+        panels = native.tile_columns(b, b_transposed)
+        if a_transposed:
+            return native.tile_product(a, panels, columns, transposed=True)
+        return native.tile_product(a.reshape(rows, depth), panels, columns).reshape(*a.shape[:-1], columns)
+    a = transposed(a, dtype) if a_transposed else a
+    b = b.T if b_transposed else b
+    if not narrow:
         return a @ b
     a, b = a.astype(dtype), b.astype(dtype)
-    if math.prod(a.shape[:-1]) > 1:
+    if rows > 1:
         return jnp.matmul(a, b, preferred_element_type=jnp.float32)
     padded = jnp.zeros((2, a.shape[-1]), dtype).at[0].set(a.reshape(-1))
     return jnp.matmul(padded, b, preferred_element_type=jnp.float32)[0].reshape(*a.shape[:-1], b.shape[-1])
+
+
+def _tiled(rows: int, depth: int, columns: int) -> bool:
+    """Whether a bfloat16 product of rows x depth times depth x columns goes to our AMX kernel
+    (`core.model.native.tile_product`): on a CPU with AMX, in a process of one device (XLA does
+    not split a kernel of ours across devices: each would gather the whole operands), and at the
+    shapes where it beats XLA's. SmolLM2's layers at 2,048 tokens and their two gradients ran at
+    1.3-1.9x XLA's speed (1,200-1,700 against 480-1,100 GFLOP/s); the output layer's products
+    over 49,152 pieces, which write 100 MB of float32 a chunk or read 57 MB of weights, ran at
+    XLA's speed or slower, bound by memory: hence at least 32 of each (a tile's block), depth
+    and columns within 8,192, and results within 2^23 values."""
+    if min(rows, depth, columns) < 32 or max(depth, columns) > 8192 or rows * columns > 2**23:
+        return False
+    return _tiles_here()
+
+
+def _tiles_here() -> bool:
+    """AMX's tiles usable here, by a process of one device (`_tiled`)."""
+    return jax.default_backend() == "cpu" and jax.device_count() == 1 and native.tiles_ready()
 
 
 def transposed(a: jax.Array, dtype, axes: tuple[int, ...] | None = None) -> jax.Array:
@@ -142,8 +178,8 @@ def _matmul_backward(dtype, residuals, g):
     if outputs > inputs and jnp.dtype(dtype).itemsize >= 4:
         grad_kernel = product(flat_g.T, flat_x, dtype).T
     else:
-        grad_kernel = product(transposed(flat_x, dtype), flat_g, dtype)
-    return product(g, kernel.T, dtype).astype(x.dtype), grad_kernel.astype(kernel.dtype)
+        grad_kernel = product(flat_x, flat_g, dtype, a_transposed=True)
+    return product(g, kernel, dtype, b_transposed=True).astype(x.dtype), grad_kernel.astype(kernel.dtype)
 
 
 _matmul.defvjp(_matmul_forward, _matmul_backward)

@@ -140,7 +140,7 @@ def _ce_chunk(h, weight, weight_t, t, w, smoothing: float, with_grads: bool, wei
     grad_logits = grad_logits.astype(h.dtype)
     grad_hidden = product(grad_logits, weight, dtype).astype(h.dtype)
     # Transposed, the weight's gradient copies h [K, D] in `transposed`, not grad_logits [K, V].
-    return loss, grad_hidden, product(transposed(h, dtype), grad_logits, dtype) if weight_grads else None
+    return loss, grad_hidden, product(h, grad_logits, dtype, a_transposed=True) if weight_grads else None
 
 
 def _output_operands(hidden, weight):

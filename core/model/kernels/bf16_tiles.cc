@@ -1,0 +1,362 @@
+// Bfloat16 products with float32 sums on Intel's AMX tiles, for the large products of a
+// training step (core/model/native.py builds this folder and registers it with XLA;
+// core/model/tiles.py calls it):
+//   tile_columns: B [K, N] (float32 or bfloat16) -> B in bfloat16, padded with zeros to whole
+//                 tiles and laid out as the tiles read it, [N/32][K/2][32][2];
+//   tile_product: A [M, K] (float32 or bfloat16) times such a B -> C [M, N] float32.
+//
+// Why a kernel of our own: XLA:CPU multiplies bfloat16 through YNNPACK, which does not use AMX
+// on this jaxlib (1,111-1,461 GFLOP/s on two Sapphire Rapids cores at 2,048 x 576 x 1,536,
+// where torch's oneDNN reaches 2,875); no flag of XLA routes a product to oneDNN's AMX code.
+// One TDPBF16PS multiplies a 16 x 32 tile of A by a 32 x 16 one of B into 16 x 16 float32
+// sums; a block of 32 x 32 outputs keeps its four sums in tiles 0-3 while two tiles of A (4,
+// 5) and two of B (6, 7) stream through K, four products for four loads. A is copied once per
+// call into bfloat16 rows padded to whole tiles and aligned to cache lines (tile loads across
+// two lines run at two thirds of the speed); B's columns go in panels of 32 whose K/2 rows
+// hold pairs of B's rows side by side, as TDPBF16PS reads them. Blocks run a group of panels
+// that stays in the core's L2 against each block of A's rows in turn. Every bfloat16 is
+// rounded to nearest even from float32, as XLA converts, and each product of two is exact in
+// float32: only the order of the float32 sums differs from XLA's.
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <atomic>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define APPS_TILES 1
+#endif
+
+// Whether this process may use the tiles: Linux hands them out on request, once a process.
+extern "C" int apps_tiles_ready() {
+#ifdef APPS_TILES
+  constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+  static const int ready = syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  return ready;
+#else
+  return 0;
+#endif
+}
+
+constexpr int64_t kSide = 32;    // rows and columns of a block; K goes through in steps of 32 too
+constexpr int64_t kDepth = 2048;  // the depth of A's rows and B's panels that a block reads at a time
+
+static inline int64_t whole(int64_t n) { return (n + kSide - 1) / kSide * kSide; }
+
+#ifdef APPS_TILES
+
+// A float32 as bfloat16 bits, rounded to nearest even as XLA converts (a NaN stays a NaN).
+static inline uint16_t bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+  return uint16_t((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
+}
+static inline uint16_t bits(uint16_t x) { return x; }
+
+// An operand as XLA hands it over: element (i, j) of a [rows, columns] matrix lies at
+// data[i * columns + j], or at data[j * rows + i] when it is stored transposed (a layer's weight
+// read as its transpose for the input's gradient, the input read as its transpose for the weight's).
+template <class T>
+struct Operand {
+  const T* data;
+  int64_t rows, columns;
+  bool transposed;
+  uint16_t at(int64_t i, int64_t j) const { return bits(data[transposed ? j * rows + i : i * columns + j]); }
+};
+
+// 32 values of a row from `from` (up to `count` of them, zeros after) as bfloat16 bits.
+static inline __m512i row32(const float* from, int64_t count) {
+  const int64_t low = std::min<int64_t>(count, 16), high = std::clamp<int64_t>(count - 16, 0, 16);
+  const __m512 a = _mm512_maskz_loadu_ps(__mmask16((1u << low) - 1), from);
+  const __m512 b = _mm512_maskz_loadu_ps(__mmask16((1u << high) - 1), from + 16);
+  return __m512i(_mm512_cvtne2ps_pbh(b, a));
+}
+static inline __m512i row32(const uint16_t* from, int64_t count) {
+  return _mm512_maskz_loadu_epi16(count >= 32 ? ~0u : __mmask32((1u << count) - 1), from);
+}
+static inline __mmask16 first16(int64_t count) { return __mmask16(count >= 16 ? 0xffff : (1u << std::max<int64_t>(count, 0)) - 1); }
+
+// Row i's values j .. j + 31 of a transposed operand (up to the end of the row), 16 lanes a
+// gather each (float32; bfloat16 one at a time).
+static inline __m512i gathered32(const Operand<float>& a, int64_t i, int64_t j) {
+  const __m512i apart = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                           _mm512_set1_epi32(int32_t(a.rows)));
+  const float* base = a.data + j * a.rows + i;
+  const __m512 low = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), first16(a.columns - j), apart, base, 4);
+  const __m512 high = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), first16(a.columns - j - 16), apart,
+                                               base + 16 * a.rows, 4);
+  return __m512i(_mm512_cvtne2ps_pbh(high, low));
+}
+static inline __m512i gathered32(const Operand<uint16_t>& a, int64_t i, int64_t j) {
+  alignas(64) uint16_t values[32];
+  for (int64_t t = 0; t < 32; ++t) values[t] = j + t < a.columns ? a.at(i, j + t) : 0;
+  return _mm512_load_si512(values);
+}
+
+// Rows [begin, end) of A [M, K] as bfloat16 rows of `width` (K rounded up to 32), zeros beyond.
+// A transposed A goes 32 of its stored rows at a time, each gather reading a cache line of each
+// that the next 15 rows of the copy read again.
+template <class T>
+static void copy_rows(const Operand<T>& a, int64_t width, uint16_t* out, int64_t begin, int64_t end) {
+  for (int64_t k = 0; k < width; k += kSide)
+    for (int64_t r = begin; r < end; ++r) {
+      __m512i values = _mm512_setzero_si512();
+      if (r < a.rows) values = a.transposed ? gathered32(a, r, k) : row32(a.data + r * a.columns + k, a.columns - k);
+      _mm512_storeu_si512(out + r * width + k, values);
+    }
+}
+
+// Row j of a panel from a transposed B: for 16 columns from n, the pair (B[2j, n + c], B[2j + 1, n + c])
+// lies at data[(n + c) * K + 2j], two values in a row (a 64-bit gather of two float32, a 32-bit of two bfloat16).
+static inline __m512i pairs16(const Operand<float>& b, int64_t j, int64_t n) {
+  const __m256i apart = _mm256_mullo_epi32(_mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0), _mm256_set1_epi32(int32_t(b.rows)));
+  const float* base = b.data + n * b.rows + 2 * j;
+  const __mmask16 valid = first16(b.columns - n);
+  const __m512i low = _mm512_mask_i32gather_epi64(_mm512_setzero_si512(), __mmask8(valid), apart, base, 4);
+  const __m512i high = _mm512_mask_i32gather_epi64(_mm512_setzero_si512(), __mmask8(valid >> 8), apart,
+                                                   base + 8 * b.rows, 4);
+  return __m512i(_mm512_cvtne2ps_pbh(_mm512_castsi512_ps(high), _mm512_castsi512_ps(low)));
+}
+static inline __m512i pairs16(const Operand<uint16_t>& b, int64_t j, int64_t n) {
+  const __m512i apart = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                           _mm512_set1_epi32(int32_t(b.rows)));
+  return _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), first16(b.columns - n), apart, b.data + n * b.rows + 2 * j, 2);
+}
+
+// Panels [begin, end) of B [K, N]: panel p holds columns 32p .. 32p + 31, row j of it the
+// columns' values at rows 2j and 2j + 1 of B side by side (64 bfloat16).
+template <class T>
+static void copy_panels(const Operand<T>& b, uint16_t* out, int64_t begin, int64_t end) {
+  // Lanes 2i and 2i + 1 of the first half take column i of the two rows, the second half's column 16 + i.
+  alignas(64) uint16_t first[32], second[32];
+  for (int i = 0; i < 16; ++i) first[2 * i] = i, first[2 * i + 1] = 32 + i;
+  for (int i = 0; i < 32; ++i) second[i] = first[i] + 16;
+  const __m512i low = _mm512_load_si512(first), high = _mm512_load_si512(second);
+  const int64_t depth = b.rows, columns = b.columns, pairs = whole(depth) / 2;
+  for (int64_t p = begin; p < end; ++p) {
+    const int64_t n = p * kSide, count = std::min(kSide, columns - n);
+    uint16_t* panel = out + p * pairs * 2 * kSide;
+    for (int64_t j = 0; j < pairs; ++j) {
+      const int64_t k = 2 * j;
+      if (b.transposed && k + 1 < depth) {
+        _mm512_storeu_si512(panel + j * 64, pairs16(b, j, n));
+        _mm512_storeu_si512(panel + j * 64 + 32, pairs16(b, j, n + 16));
+      } else if (b.transposed) {  // a lone last row, or the zeros past it
+        for (int64_t c = 0; c < kSide; ++c)
+          panel[j * 64 + 2 * c] = k < depth && c < count ? b.at(k, n + c) : 0, panel[j * 64 + 2 * c + 1] = 0;
+      } else {
+        const __m512i even = k < depth ? row32(b.data + k * columns + n, count) : _mm512_setzero_si512();
+        const __m512i odd = k + 1 < depth ? row32(b.data + (k + 1) * columns + n, count) : _mm512_setzero_si512();
+        _mm512_storeu_si512(panel + j * 64, _mm512_permutex2var_epi16(even, low, odd));
+        _mm512_storeu_si512(panel + j * 64 + 32, _mm512_permutex2var_epi16(even, high, odd));
+      }
+    }
+  }
+}
+
+struct TileShapes {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t bytes[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Every tile 16 rows of 64 bytes: sums 16 x 16 float32, A 16 x 32 and B 16 pairs x 16 x 2 bfloat16.
+static void configure() {
+  TileShapes shapes;
+  for (int t = 0; t < 8; ++t) shapes.rows[t] = 16, shapes.bytes[t] = 64;
+  _tile_loadconfig(&shapes);
+}
+
+// C's block of 32 x 32 at `c` (row stride `stride` floats) from 32 rows of A (`width` apart)
+// and one panel of B, over depths [begin, end): the sums start from C's (`add`) or from zero.
+static inline void block(const uint16_t* a, int64_t width, const uint16_t* panel, int64_t begin, int64_t end, float* c,
+                         int64_t stride, bool add) {
+  if (add) {
+    _tile_loadd(0, c, stride * 4);
+    _tile_loadd(1, c + 16, stride * 4);
+    _tile_loadd(2, c + 16 * stride, stride * 4);
+    _tile_loadd(3, c + 16 * stride + 16, stride * 4);
+  } else {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t k = begin; k < end; k += kSide) {
+    _tile_loadd(4, a + k, width * 2);
+    _tile_loadd(5, a + 16 * width + k, width * 2);
+    _tile_loadd(6, panel + k * kSide, 128);
+    _tile_loadd(7, panel + k * kSide + 32, 128);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, c, stride * 4);
+  _tile_stored(1, c + 16, stride * 4);
+  _tile_stored(2, c + 16 * stride, stride * 4);
+  _tile_stored(3, c + 16 * stride + 16, stride * 4);
+}
+
+// C's blocks of rows [row_begin, row_end) and panels [panel_begin, panel_end), the depth in
+// spans of `kDepth` (each block's sums go back to C between spans, so that a span of A's rows
+// and of the panels stays in cache however deep the product). A block on C's edge goes whole
+// through a buffer, of which only C's part is copied.
+static void blocks(const uint16_t* a, const uint16_t* panels, float* c, int64_t rows, int64_t columns, int64_t width,
+                   int64_t row_begin, int64_t row_end, int64_t panel_begin, int64_t panel_end) {
+  alignas(64) float edge[kSide * kSide];
+  configure();
+  const auto inside = [&](int64_t r, int64_t p) { return r + kSide <= rows && (p + 1) * kSide <= columns; };
+  for (int64_t span = 0; span < width; span += kDepth)
+    for (int64_t r = row_begin; r < row_end; r += kSide)
+      for (int64_t p = panel_begin; p < panel_end; ++p)
+        if (inside(r, p))
+          block(a + r * width, width, panels + p * width * kSide, span, std::min(width, span + kDepth),
+                c + r * columns + p * kSide, columns, span > 0);
+  for (int64_t r = row_begin; r < row_end; r += kSide)
+    for (int64_t p = panel_begin; p < panel_end; ++p) {
+      if (inside(r, p)) continue;
+      const int64_t height = std::min(kSide, rows - r), count = std::min(kSide, columns - p * kSide);
+      block(a + r * width, width, panels + p * width * kSide, 0, width, edge, kSide, false);
+      for (int64_t i = 0; i < height; ++i) std::memcpy(c + (r + i) * columns + p * kSide, edge + i * kSide, count * 4);
+    }
+  _tile_release();
+}
+
+#endif  // APPS_TILES
+
+// Pieces 0 .. n - 1 of `body` on the calling thread and on XLA's intra-op threads, which run
+// the step's other operations too. The calling thread returns once every piece is done; a task
+// that starts later finds none left.
+static void run(ffi::ThreadPool& pool, int64_t n, const std::function<void(int64_t)>& body) {
+  struct Pieces {
+    const std::function<void(int64_t)>* body;
+    int64_t n;
+    std::atomic<int64_t> next{0}, done{0};
+  };
+  auto pieces = std::make_shared<Pieces>();
+  pieces->body = &body;
+  pieces->n = n;
+  const auto work = [pieces] {
+    for (int64_t k; (k = pieces->next.fetch_add(1)) < pieces->n; pieces->done.fetch_add(1)) (*pieces->body)(k);
+  };
+  for (int64_t t = 1; t < std::min<int64_t>(n, pool.num_threads()); ++t) {
+    auto task = work;
+    pool.Schedule(std::move(task));
+  }
+  work();
+  while (pieces->done.load(std::memory_order_acquire) < n) _mm_pause();
+}
+
+// A panel group's bytes: what stays in L2 while blocks of A's rows go by.
+constexpr int64_t kGroupBytes = 320 * 1024;
+
+// Pieces of (a group of panels, a range of blocks of rows) for the calling thread and the helper:
+// at least 16, so that the two finish together.
+static void split(ffi::ThreadPool& pool, int64_t rows, int64_t panels, int64_t width,
+                  const std::function<void(int64_t, int64_t, int64_t, int64_t)>& body) {
+  const int64_t per_group = std::max<int64_t>(1, kGroupBytes / (std::min(width, kDepth) * kSide * 2));
+  const int64_t groups = (panels + per_group - 1) / per_group, step = (panels + groups - 1) / groups;
+  const int64_t row_blocks = (rows + kSide - 1) / kSide;
+  const int64_t parts = std::min(row_blocks, std::max<int64_t>(1, (16 + groups - 1) / groups));
+  const std::function<void(int64_t)> piece = [&](int64_t k) {
+    const int64_t g = k / parts, part = k % parts;
+    const int64_t first = row_blocks * part / parts, last = row_blocks * (part + 1) / parts;
+    body(first * kSide, std::min(rows, last * kSide), g * step, std::min(panels, (g + 1) * step));
+  };
+  run(pool, groups * parts, piece);
+}
+
+using Panels = ffi::Buffer<ffi::BF16, 3>;
+using Sums = ffi::Buffer<ffi::F32, 2>;
+using Rows = ffi::Buffer<ffi::BF16, 2>;
+
+static ffi::Error Unsupported() {
+  return ffi::Error(ffi::ErrorCode::kUnimplemented, "bf16_tiles: this library was built for a CPU without AMX");
+}
+
+#ifdef APPS_TILES
+// body(operand) with `buffer` as the Operand of its element type, [rows, columns] as the product
+// reads it (stored [columns, rows] when `transposed`); false for an element type other than
+// float32 and bfloat16.
+template <class F>
+static bool as_operand(const ffi::AnyBuffer& buffer, bool transposed, F&& body) {
+  const auto shape = buffer.dimensions();
+  const int64_t rows = shape[transposed ? 1 : 0], columns = shape[transposed ? 0 : 1];
+  if (buffer.element_type() == ffi::DataType::F32)
+    body(Operand<float>{reinterpret_cast<const float*>(buffer.untyped_data()), rows, columns, transposed});
+  else if (buffer.element_type() == ffi::DataType::BF16)
+    body(Operand<uint16_t>{reinterpret_cast<const uint16_t*>(buffer.untyped_data()), rows, columns, transposed});
+  else
+    return false;
+  return true;
+}
+#endif
+
+static ffi::Error TileColumnsImpl(ffi::ThreadPool pool, ffi::AnyBuffer b, ffi::Result<Panels> panels, bool transposed) {
+#ifdef APPS_TILES
+  if (b.dimensions().size() != 2) return ffi::Error::InvalidArgument("tile_columns: B is a matrix");
+  const int64_t depth = b.dimensions()[transposed ? 1 : 0], columns = b.dimensions()[transposed ? 0 : 1];
+  const int64_t count = (columns + kSide - 1) / kSide, pieces = std::min<int64_t>(16, count);
+  const auto out = panels->dimensions();
+  if (out[0] != count || out[1] != whole(depth) / 2 || out[2] != 2 * kSide)
+    return ffi::Error::InvalidArgument("tile_columns: panels are [ceil(N / 32), ceil(K / 32) * 16, 64]");
+  auto* to = reinterpret_cast<uint16_t*>(panels->typed_data());
+  const bool typed = as_operand(b, transposed, [&](const auto& operand) {
+    run(pool, pieces, [&](int64_t k) { copy_panels(operand, to, count * k / pieces, count * (k + 1) / pieces); });
+  });
+  return typed ? ffi::Error::Success() : ffi::Error::InvalidArgument("tile_columns: B is float32 or bfloat16");
+#else
+  return Unsupported();
+#endif
+}
+
+static ffi::Error TileProductImpl(ffi::ThreadPool pool, ffi::AnyBuffer a, Panels panels, ffi::Result<Sums> c,
+                                  ffi::Result<Rows> rows_copy, bool transposed) {
+#ifdef APPS_TILES
+  if (a.dimensions().size() != 2) return ffi::Error::InvalidArgument("tile_product: A is a matrix");
+  const int64_t rows = a.dimensions()[transposed ? 1 : 0], depth = a.dimensions()[transposed ? 0 : 1];
+  const int64_t width = whole(depth), columns = c->dimensions()[1], count = panels.dimensions()[0];
+  if (c->dimensions()[0] != rows || count != (columns + kSide - 1) / kSide || panels.dimensions()[1] * 2 != width ||
+      rows_copy->dimensions()[0] != whole(rows) || rows_copy->dimensions()[1] != width)
+    return ffi::Error::InvalidArgument("tile_product: A [M, K], B's panels of tile_columns and C [M, N] disagree");
+  auto* copy = reinterpret_cast<uint16_t*>(rows_copy->typed_data());
+  const bool typed = as_operand(a, transposed, [&](const auto& operand) {
+    run(pool, 16, [&](int64_t k) { copy_rows(operand, width, copy, whole(rows) * k / 16, whole(rows) * (k + 1) / 16); });
+  });
+  if (!typed) return ffi::Error::InvalidArgument("tile_product: A is float32 or bfloat16");
+  const auto* from = reinterpret_cast<const uint16_t*>(panels.typed_data());
+  float* to = c->typed_data();
+  split(pool, rows, count, width, [&](int64_t row_begin, int64_t row_end, int64_t panel_begin, int64_t panel_end) {
+    blocks(copy, from, to, rows, columns, width, row_begin, row_end, panel_begin, panel_end);
+  });
+  return ffi::Error::Success();
+#else
+  return Unsupported();
+#endif
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TileColumns, TileColumnsImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<Panels>()
+                                  .Attr<bool>("transposed"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TileProduct, TileProductImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<Panels>()
+                                  .Ret<Sums>()
+                                  .Ret<Rows>()
+                                  .Attr<bool>("transposed"));

@@ -1,0 +1,116 @@
+"""Bfloat16 products on AMX tiles (`core.model.native.tile_product`, kernels/bf16_tiles.cc): the
+panels' layout, exact sums where every value is an integer, float32 sums elsewhere, and the
+training products (`core.model.precision.matmul`) through them against XLA's."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from core.model import native, precision
+
+RNG = np.random.default_rng(0)
+needs_tiles = pytest.mark.skipif(not native.tiles_ready(), reason="this CPU has no AMX tiles (or no C++ compiler)")
+SHAPES = [
+    (1, 1, 1),
+    (2, 3, 40),
+    (37, 45, 70),
+    (64, 64, 64),
+    (100, 576, 33),
+    (33, 130, 95),
+    (64, 4200, 64),
+    (40, 2100, 50),
+]
+
+
+@needs_tiles
+def test_panels_hold_pairs_of_rows_side_by_side_in_columns_of_32():
+    """Panel p, row j, lane 2c + t is b[2j + t, 32p + c], zeros beyond b's edges, in bfloat16;
+    the same from b stored transposed."""
+    b = RNG.standard_normal((45, 70)).astype(np.float32)
+    panels = np.asarray(jax.jit(native.tile_columns)(jnp.asarray(b)).astype(jnp.float32))
+    assert panels.shape == (3, 32, 64)
+    swapped = jax.jit(native.tile_columns, static_argnums=1)(jnp.asarray(b.T), True)
+    np.testing.assert_array_equal(np.asarray(swapped.astype(jnp.float32)), panels)
+    padded = np.zeros((64, 96), np.float32)
+    padded[:45, :70] = np.asarray(jnp.asarray(b).astype(jnp.bfloat16).astype(jnp.float32))
+    expected = padded.reshape(32, 2, 3, 32).transpose(2, 0, 3, 1).reshape(3, 32, 64)
+    np.testing.assert_array_equal(panels, expected)
+
+
+def tiled(a, b, a_transposed=False, b_transposed=False):
+    """a @ b through the tiles, each operand handed over as stored (a.T, b.T when transposed)."""
+    columns = b.shape[1]
+    a, b = (a.T if a_transposed else a), (b.T if b_transposed else b)
+    call = jax.jit(
+        lambda a, b: native.tile_product(a, native.tile_columns(b, b_transposed), columns, a_transposed),
+    )
+    return np.asarray(call(a, b))
+
+
+LAYOUTS = [(False, False), (True, False), (False, True), (True, True)]
+
+
+@needs_tiles
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("rows,depth,columns", SHAPES)
+def test_integers_multiply_exactly_after_rounding_to_nearest(rows, depth, columns, dtype, layout):
+    """Integers in [-8, 8] moved by 2^-10, which bfloat16 (a step of 2^-5 at 4 to 8) rounds back
+    to the integer: the sums of their products are integers below 2^24, exact in float32, so the
+    kernel gives them exactly, from float32 operands (rounded in the kernel) and bfloat16 ones
+    (rounded on the way in), each stored as it is or transposed. Truncating instead of rounding
+    would give 3.96875 for 3.999."""
+    a = RNG.integers(-8, 9, (rows, depth)).astype(np.float32)
+    b = RNG.integers(-8, 9, (depth, columns)).astype(np.float32)
+    moved = a + np.where(np.abs(a) >= 4, RNG.choice([-1.0, 1.0], a.shape) * 2.0**-10, 0).astype(np.float32)
+    got = tiled(jnp.asarray(moved, dtype), jnp.asarray(b, dtype), *layout)
+    np.testing.assert_array_equal(got, a.astype(np.float64) @ b.astype(np.float64))
+
+
+@needs_tiles
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("rows,depth,columns", SHAPES)
+def test_sums_are_float32_sums_of_exact_bfloat16_products(rows, depth, columns, layout):
+    """Random floats: within float32's rounding of a sum of `depth` terms of the float64 product
+    of the bfloat16-rounded operands."""
+    a = RNG.standard_normal((rows, depth)).astype(np.float32)
+    b = RNG.standard_normal((depth, columns)).astype(np.float32)
+    got = tiled(jnp.asarray(a), jnp.asarray(b), *layout)
+    ra, rb = (np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32), np.float64) for x in (a, b))
+    bound = depth * 2.0**-24 * (np.abs(ra) @ np.abs(rb)) + 1e-30
+    assert np.all(np.abs(got - ra @ rb) <= bound)
+
+
+def _step(x, w):
+    def loss(x, w):
+        with precision.products_in("bfloat16"):
+            y = precision.matmul(x, w)
+            return (jnp.tanh(y) @ jnp.arange(y.shape[-1], dtype=y.dtype)).sum()
+
+    return jax.value_and_grad(loss, argnums=(0, 1))(x, w)
+
+
+@needs_tiles
+def test_training_products_through_tiles_match_xla(monkeypatch):
+    """A linear layer's loss and both gradients under bfloat16 products: the tiles' route equals
+    XLA's to float32's rounding of the sums (each product of two bfloat16 is exact in both)."""
+    x = jnp.asarray(RNG.standard_normal((3, 50, 96)), jnp.float32)
+    w = jnp.asarray(RNG.standard_normal((96, 80)) * 0.1, jnp.float32)
+    plain = jax.jit(_step)(x, w)
+    monkeypatch.setattr(precision, "_tiles_here", lambda: True)
+    tiles = jax.jit(lambda x, w: _step(x, w))  # a new function: jit's cache holds XLA's trace of _step
+    assert tiles.lower(x, w).as_text().count("apps_tile_product") == 3  # forward, both gradients
+    tiled = tiles(x, w)
+    for got, want in zip(jax.tree.leaves(tiled), jax.tree.leaves(plain)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5 * np.abs(want).max())
+
+
+def test_several_devices_keep_xla_products():
+    """With several devices (the suite's eight) the products stay XLA's, which it splits across
+    them: an FFI call would gather its operands whole to every device."""
+    assert jax.device_count() > 1 and not precision._tiles_here()
+    x, w = jnp.ones((64, 96)), jnp.ones((96, 80))
+    assert "apps_tile" not in jax.jit(_step).lower(x, w).as_text()
