@@ -114,3 +114,43 @@ def test_several_devices_keep_xla_products():
     assert jax.device_count() > 1 and not precision._tiles_here()
     x, w = jnp.ones((64, 96)), jnp.ones((96, 80))
     assert "apps_tile" not in jax.jit(_step).lower(x, w).as_text()
+
+
+@pytest.mark.parametrize(
+    "spec,layout",
+    [
+        ("BKTS,BKSH->BKTH", (False, False)),
+        ("BKTH,BKSH->BKTS", (False, True)),
+        ("BKTS,BKTH->BKSH", (True, False)),
+        ("ST,HS->TH", (True, True)),
+        ("BTD,VD->BTV", None),  # the stacks differ
+        ("BKTS,BKSH->BKHT", None),  # the result's columns first
+        ("BKTH,BKTH->BKT", None),  # no matrices
+    ],
+)
+def test_einsums_read_as_stacks_of_matrix_products(spec, layout):
+    """Which einsums are stacks of matrix products, and how each operand holds its matrices."""
+    assert precision._stacked(spec) == layout
+
+
+@needs_tiles
+def test_attention_products_through_tiles_match_xla(monkeypatch):
+    """The blockwise attention's four kinds of product, as `einsum_product` runs them under
+    bfloat16 products: the tiles' route gives XLA's to float32's rounding."""
+    q, k, g = (jnp.asarray(RNG.standard_normal((2, 3, n, 64)), jnp.float32) for n in (96, 128, 96))
+    p = jnp.asarray(RNG.random((2, 3, 96, 128)), jnp.float32)
+
+    def products(q, k, g, p):
+        with precision.products_in("bfloat16"):
+            return [
+                precision.einsum_product("BKTH,BKSH->BKTS", q, k),
+                precision.einsum_product("BKTS,BKSH->BKTH", p, k),
+                precision.einsum_product("BKTS,BKTH->BKSH", p, g),
+            ]
+
+    plain = jax.jit(products)(q, k, g, p)
+    monkeypatch.setattr(precision, "_tiles_here", lambda: True)
+    tiles = jax.jit(lambda *x: products(*x))
+    assert tiles.lower(q, k, g, p).as_text().count("apps_tile_product") == 3
+    for got, want in zip(tiles(q, k, g, p), plain):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5 * np.abs(want).max())

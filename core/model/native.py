@@ -142,25 +142,29 @@ def _whole(n: int) -> int:
 
 
 def tile_columns(b: jax.Array, transposed: bool = False) -> jax.Array:
-    """b [K, N] (float32 or bfloat16; stored [N, K] when `transposed`) -> its bfloat16 panels for
-    `tile_product`, [N/32, K/2, 64] with K and N rounded up to 32: each panel 32 columns, each row
-    of it a pair of b's rows side by side, as AMX's TDPBF16PS reads them (kernels/bf16_tiles.cc).
-    Only where `tiles_ready()`."""
-    depth, columns = b.shape[::-1] if transposed else b.shape
-    out = jax.ShapeDtypeStruct((_whole(columns) // 32, _whole(depth) // 2, 64), jnp.bfloat16)
+    """b [..., K, N] (float32 or bfloat16; each matrix stored [N, K] when `transposed`) -> its
+    bfloat16 panels for `tile_product`, [..., N/32, K/2, 64] with K and N rounded up to 32: each
+    panel 32 columns, each row of it a pair of b's rows side by side, as AMX's TDPBF16PS reads
+    them (kernels/bf16_tiles.cc). Only where `tiles_ready()`."""
+    *stack, depth, columns = b.shape
+    if transposed:
+        depth, columns = columns, depth
+    out = jax.ShapeDtypeStruct((*stack, _whole(columns) // 32, _whole(depth) // 2, 64), jnp.bfloat16)
     return jax.ffi.ffi_call("apps_tile_columns", out, vmap_method="sequential")(b, transposed=np.bool_(transposed))
 
 
 def tile_product(a: jax.Array, panels: jax.Array, columns: int, transposed: bool = False) -> jax.Array:
-    """a [M, K] (float32 or bfloat16; stored [K, M] when `transposed`) times the b [K, N =
-    `columns`] of `panels` (`tile_columns`) -> [M, N] float32: each operand rounded to bfloat16
-    as XLA rounds it, each product exact, the sums in float32 on AMX tiles. The second result is
-    the kernel's copy of a in whole tiles, a buffer XLA allocates for the call. Only where
-    `tiles_ready()`."""
-    rows, depth = a.shape[::-1] if transposed else a.shape
+    """a [..., M, K] (float32 or bfloat16; each matrix stored [K, M] when `transposed`) times
+    the b [..., K, N = `columns`] of `panels` (`tile_columns`), matrix by matrix -> [..., M, N]
+    float32: each operand rounded to bfloat16 as XLA rounds it, each product exact, the sums in
+    float32 on AMX tiles. The second result is the kernel's copy of a in whole tiles, a buffer
+    XLA allocates for the call. Only where `tiles_ready()`."""
+    *stack, rows, depth = a.shape
+    if transposed:
+        rows, depth = depth, rows
     out = (
-        jax.ShapeDtypeStruct((rows, columns), jnp.float32),
-        jax.ShapeDtypeStruct((_whole(rows), _whole(depth)), jnp.bfloat16),
+        jax.ShapeDtypeStruct((*stack, rows, columns), jnp.float32),
+        jax.ShapeDtypeStruct((*stack, _whole(rows), _whole(depth)), jnp.bfloat16),
     )
     call = jax.ffi.ffi_call("apps_tile_product", out, vmap_method="sequential")
     return call(a, panels, transposed=np.bool_(transposed))[0]

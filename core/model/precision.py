@@ -187,9 +187,37 @@ _matmul.defvjp(_matmul_forward, _matmul_backward)
 
 def einsum_product(spec: str, a, b):
     """jnp.einsum(spec, a, b) with float32 results, multiplied in the narrower dtype of the
-    operands and of `core.model.precision.products_in`."""
+    operands and of `core.model.precision.products_in`. A stack of matrix products (the
+    blockwise attention's, `_stacked`) in bfloat16 goes to AMX's tiles where `_tiled`."""
     dtype = narrower(a.dtype, b.dtype)
+    layout = _stacked(spec)
+    if layout is not None and jnp.dtype(dtype) == jnp.bfloat16 and a.shape[:-2] == b.shape[:-2]:
+        a_transposed, b_transposed = layout
+        rows, depth = a.shape[-2:][::-1] if a_transposed else a.shape[-2:]
+        columns = b.shape[-2] if b_transposed else b.shape[-1]
+        if _tiled(rows, depth, columns):
+            a, b = (x if x.dtype in (jnp.float32, jnp.bfloat16) else x.astype(dtype) for x in (a, b))
+            return native.tile_product(a, native.tile_columns(b, b_transposed), columns, a_transposed)
     return jnp.einsum(spec, a.astype(dtype), b.astype(dtype), preferred_element_type=jnp.float32)
+
+
+def _stacked(spec: str) -> tuple[bool, bool] | None:
+    """For an einsum of two stacks of matrices ("BKTS,BKSH->BKTH": the same leading letters in
+    both operands and the result, one letter contracted, the result's rows from the first and
+    columns from the second), whether each operand holds its matrices transposed; else None."""
+    operands, result = spec.replace(" ", "").split("->")
+    a, b = operands.split(",")
+    stack = result[:-2]
+    if len(a) != len(result) or len(b) != len(result) or not (a.startswith(stack) and b.startswith(stack)):
+        return None
+    a, b, result = a[len(stack) :], b[len(stack) :], result[len(stack) :]
+    shared = set(a) & set(b)
+    if len(shared) != 1 or len(set(a)) != 2 or len(set(b)) != 2:
+        return None
+    (contracted,) = shared
+    if result != a.replace(contracted, "") + b.replace(contracted, ""):
+        return None
+    return a.index(contracted) == 0, b.index(contracted) == 1
 
 
 def narrowed(params: Any, dtype: str) -> Any:

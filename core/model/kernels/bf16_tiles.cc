@@ -72,6 +72,7 @@ struct Operand {
   int64_t rows, columns;
   bool transposed;
   uint16_t at(int64_t i, int64_t j) const { return bits(data[transposed ? j * rows + i : i * columns + j]); }
+  Operand matrix(int64_t m) const { return {data + m * rows * columns, rows, columns, transposed}; }
 };
 
 // 32 values of a row from `from` (up to `count` of them, zeros after) as bfloat16 bits.
@@ -261,38 +262,46 @@ static void run(ffi::ThreadPool& pool, int64_t n, const std::function<void(int64
 // A panel group's bytes: what stays in L2 while blocks of A's rows go by.
 constexpr int64_t kGroupBytes = 320 * 1024;
 
-// Pieces of (a group of panels, a range of blocks of rows) for the calling thread and the helper:
-// at least 16, so that the two finish together.
-static void split(ffi::ThreadPool& pool, int64_t rows, int64_t panels, int64_t width,
-                  const std::function<void(int64_t, int64_t, int64_t, int64_t)>& body) {
+// Pieces of (a matrix of the stack, a group of panels, a range of blocks of rows) for the
+// threads: at least 16, so that they finish together.
+static void split(ffi::ThreadPool& pool, int64_t matrices, int64_t rows, int64_t panels, int64_t width,
+                  const std::function<void(int64_t, int64_t, int64_t, int64_t, int64_t)>& body) {
   const int64_t per_group = std::max<int64_t>(1, kGroupBytes / (std::min(width, kDepth) * kSide * 2));
   const int64_t groups = (panels + per_group - 1) / per_group, step = (panels + groups - 1) / groups;
   const int64_t row_blocks = (rows + kSide - 1) / kSide;
-  const int64_t parts = std::min(row_blocks, std::max<int64_t>(1, (16 + groups - 1) / groups));
-  const std::function<void(int64_t)> piece = [&](int64_t k) {
-    const int64_t g = k / parts, part = k % parts;
+  const int64_t parts = std::min(row_blocks, std::max<int64_t>(1, (16 + matrices * groups - 1) / (matrices * groups)));
+  run(pool, matrices * groups * parts, [&](int64_t k) {
+    const int64_t m = k / (groups * parts), g = k / parts % groups, part = k % parts;
     const int64_t first = row_blocks * part / parts, last = row_blocks * (part + 1) / parts;
-    body(first * kSide, std::min(rows, last * kSide), g * step, std::min(panels, (g + 1) * step));
-  };
-  run(pool, groups * parts, piece);
+    body(m, first * kSide, std::min(rows, last * kSide), g * step, std::min(panels, (g + 1) * step));
+  });
 }
 
-using Panels = ffi::Buffer<ffi::BF16, 3>;
-using Sums = ffi::Buffer<ffi::F32, 2>;
-using Rows = ffi::Buffer<ffi::BF16, 2>;
+using Panels = ffi::Buffer<ffi::BF16>;
+using Sums = ffi::Buffer<ffi::F32>;
+using Rows = ffi::Buffer<ffi::BF16>;
 
 static ffi::Error Unsupported() {
   return ffi::Error(ffi::ErrorCode::kUnimplemented, "bf16_tiles: this library was built for a CPU without AMX");
 }
 
+// A buffer [..., R, C] as a stack of matrices: how many, and R and C.
+struct Stack {
+  int64_t count = 1, first = 0, second = 0;
+  explicit Stack(ffi::Span<const int64_t> shape) {
+    for (size_t i = 0; i + 2 < shape.size(); ++i) count *= shape[i];
+    if (shape.size() >= 2) first = shape[shape.size() - 2], second = shape[shape.size() - 1];
+  }
+};
+
 #ifdef APPS_TILES
-// body(operand) with `buffer` as the Operand of its element type, [rows, columns] as the product
-// reads it (stored [columns, rows] when `transposed`); false for an element type other than
-// float32 and bfloat16.
+// body(operand) with matrix 0 of `buffer` as the Operand of its element type, [rows, columns] as
+// the product reads it (stored [columns, rows] when `transposed`); false for an element type other
+// than float32 and bfloat16.
 template <class F>
 static bool as_operand(const ffi::AnyBuffer& buffer, bool transposed, F&& body) {
-  const auto shape = buffer.dimensions();
-  const int64_t rows = shape[transposed ? 1 : 0], columns = shape[transposed ? 0 : 1];
+  const Stack shape(buffer.dimensions());
+  const int64_t rows = transposed ? shape.second : shape.first, columns = transposed ? shape.first : shape.second;
   if (buffer.element_type() == ffi::DataType::F32)
     body(Operand<float>{reinterpret_cast<const float*>(buffer.untyped_data()), rows, columns, transposed});
   else if (buffer.element_type() == ffi::DataType::BF16)
@@ -305,15 +314,18 @@ static bool as_operand(const ffi::AnyBuffer& buffer, bool transposed, F&& body) 
 
 static ffi::Error TileColumnsImpl(ffi::ThreadPool pool, ffi::AnyBuffer b, ffi::Result<Panels> panels, bool transposed) {
 #ifdef APPS_TILES
-  if (b.dimensions().size() != 2) return ffi::Error::InvalidArgument("tile_columns: B is a matrix");
-  const int64_t depth = b.dimensions()[transposed ? 1 : 0], columns = b.dimensions()[transposed ? 0 : 1];
-  const int64_t count = (columns + kSide - 1) / kSide, pieces = std::min<int64_t>(16, count);
-  const auto out = panels->dimensions();
-  if (out[0] != count || out[1] != whole(depth) / 2 || out[2] != 2 * kSide)
-    return ffi::Error::InvalidArgument("tile_columns: panels are [ceil(N / 32), ceil(K / 32) * 16, 64]");
+  const Stack shape(b.dimensions()), out(panels->dimensions());
+  const int64_t depth = transposed ? shape.second : shape.first, columns = transposed ? shape.first : shape.second;
+  const int64_t count = (columns + kSide - 1) / kSide, size = whole(depth) * kSide * count;
+  if (b.dimensions().size() < 2 || out.count != shape.count * count || out.first != whole(depth) / 2 || out.second != 2 * kSide)
+    return ffi::Error::InvalidArgument("tile_columns: panels are [..., ceil(N / 32), ceil(K / 32) * 16, 64] for B [..., K, N]");
   auto* to = reinterpret_cast<uint16_t*>(panels->typed_data());
+  const int64_t total = shape.count * count, pieces = std::min<int64_t>(16, total);
   const bool typed = as_operand(b, transposed, [&](const auto& operand) {
-    run(pool, pieces, [&](int64_t k) { copy_panels(operand, to, count * k / pieces, count * (k + 1) / pieces); });
+    run(pool, pieces, [&](int64_t k) {
+      for (int64_t g = total * k / pieces; g < total * (k + 1) / pieces; ++g)
+        copy_panels(operand.matrix(g / count), to + g / count * size, g % count, g % count + 1);
+    });
   });
   return typed ? ffi::Error::Success() : ffi::Error::InvalidArgument("tile_columns: B is float32 or bfloat16");
 #else
@@ -324,21 +336,27 @@ static ffi::Error TileColumnsImpl(ffi::ThreadPool pool, ffi::AnyBuffer b, ffi::R
 static ffi::Error TileProductImpl(ffi::ThreadPool pool, ffi::AnyBuffer a, Panels panels, ffi::Result<Sums> c,
                                   ffi::Result<Rows> rows_copy, bool transposed) {
 #ifdef APPS_TILES
-  if (a.dimensions().size() != 2) return ffi::Error::InvalidArgument("tile_product: A is a matrix");
-  const int64_t rows = a.dimensions()[transposed ? 1 : 0], depth = a.dimensions()[transposed ? 0 : 1];
-  const int64_t width = whole(depth), columns = c->dimensions()[1], count = panels.dimensions()[0];
-  if (c->dimensions()[0] != rows || count != (columns + kSide - 1) / kSide || panels.dimensions()[1] * 2 != width ||
-      rows_copy->dimensions()[0] != whole(rows) || rows_copy->dimensions()[1] != width)
-    return ffi::Error::InvalidArgument("tile_product: A [M, K], B's panels of tile_columns and C [M, N] disagree");
+  const Stack shape(a.dimensions()), sums(c->dimensions()), tiles(panels.dimensions()), copied(rows_copy->dimensions());
+  const int64_t rows = transposed ? shape.second : shape.first, depth = transposed ? shape.first : shape.second;
+  const int64_t width = whole(depth), columns = sums.second, count = (columns + kSide - 1) / kSide;
+  if (a.dimensions().size() < 2 || sums.count != shape.count || sums.first != rows ||
+      tiles.count != shape.count * count || tiles.first * 2 != width || copied.count != shape.count ||
+      copied.first != whole(rows) || copied.second != width)
+    return ffi::Error::InvalidArgument("tile_product: A [..., M, K], B's panels of tile_columns and C [..., M, N] disagree");
   auto* copy = reinterpret_cast<uint16_t*>(rows_copy->typed_data());
+  const int64_t per = std::max<int64_t>(1, (16 + shape.count - 1) / shape.count), size = whole(rows) * width;
   const bool typed = as_operand(a, transposed, [&](const auto& operand) {
-    run(pool, 16, [&](int64_t k) { copy_rows(operand, width, copy, whole(rows) * k / 16, whole(rows) * (k + 1) / 16); });
+    run(pool, shape.count * per, [&](int64_t k) {
+      const int64_t m = k / per, part = k % per;
+      copy_rows(operand.matrix(m), width, copy + m * size, whole(rows) * part / per, whole(rows) * (part + 1) / per);
+    });
   });
   if (!typed) return ffi::Error::InvalidArgument("tile_product: A is float32 or bfloat16");
   const auto* from = reinterpret_cast<const uint16_t*>(panels.typed_data());
   float* to = c->typed_data();
-  split(pool, rows, count, width, [&](int64_t row_begin, int64_t row_end, int64_t panel_begin, int64_t panel_end) {
-    blocks(copy, from, to, rows, columns, width, row_begin, row_end, panel_begin, panel_end);
+  split(pool, shape.count, rows, count, width, [&](int64_t m, int64_t row_begin, int64_t row_end, int64_t first, int64_t last) {
+    blocks(copy + m * size, from + m * width * kSide * count, to + m * rows * columns, rows, columns, width, row_begin,
+           row_end, first, last);
   });
   return ffi::Error::Success();
 #else
