@@ -4,11 +4,11 @@
 in where it is narrower than their operands (`train.matmul_dtype`; "auto" is `fastest_products`);
 `narrower` reads it;
 `product`, `einsum_product` and `matmul` multiply in it with float32 sums (a layer's bfloat16
-products on AMX tiles where the CPU has them, `core.model.native`); `transposed` lays an
+products on AMX's tiles where the CPU has them, `core.model.native_products`); `transposed` lays an
 operand out so that XLA:CPU multiplies it in that dtype; `narrowed` gives decoding weights in a
 narrower dtype. The model's layers (`core.model.transformer`, `core.model.attention`) and the
-training losses import it; it imports `core.model.quantized` and `core.model.native` alone of
-the core.
+training losses import it; it imports `core.model.quantized` and `core.model.native_products`
+alone of the core.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from core.model import native, quantized
+from core.model import native_products, quantized
 
 
 def product(a: jax.Array, b: jax.Array, dtype, a_transposed: bool = False, b_transposed: bool = False) -> jax.Array:
@@ -32,22 +32,20 @@ def product(a: jax.Array, b: jax.Array, dtype, a_transposed: bool = False, b_tra
     `a_transposed`: a is a matrix stored [I, M], multiplied as its transpose (a weight's gradient,
     x^T g); `b_transposed`: b is stored [O, I] (an input's gradient, g W^T).
 
-    On a CPU with AMX, bfloat16 products of a layer's size go to our kernel (`_tiled`), which
-    reads either operand as stored, transposed or not, float32 or bfloat16. Elsewhere, on
-    XLA:CPU, bfloat16 products with a float32 result run through YNNPACK at 1.5-2.8x the speed of
-    float32 ones (SmolLM2's layer shapes at 2 to 2,048 rows), while a bfloat16 result, or weights
-    converted up to float32 before a float32 product, run 5-10x slower. With a single row XLA
-    takes yet another path, 8x slower, so one row is multiplied as two.
+    A bfloat16 product of a layer's size on a CPU with AMX goes to a kernel of ours
+    (`core.model.native_products`), which reads either operand as stored. Elsewhere,
+    on XLA:CPU, bfloat16 products with a float32 result run through YNNPACK at 1.5-2.8x the speed
+    of float32 ones (SmolLM2's layer shapes at 2 to 2,048 rows), while a bfloat16 result, or
+    weights converted up to float32 before a float32 product, run 5-10x slower. With a single row
+    XLA takes yet another path, 8x slower, so one row is multiplied as two.
     """
     narrow = jnp.dtype(dtype).itemsize < 4
     rows, depth = a.shape[::-1] if a_transposed else (math.prod(a.shape[:-1]), a.shape[-1])
     columns = b.shape[0] if b_transposed else b.shape[1]
-    if narrow and jnp.dtype(dtype) == jnp.bfloat16 and _tiled(rows, depth, columns):
-        a, b = (x if x.dtype in (jnp.float32, jnp.bfloat16) else x.astype(dtype) for x in (a, b))
-        panels = native.tile_columns(b, b_transposed)
-        if a_transposed:
-            return native.tile_product(a, panels, columns, transposed=True)
-        return native.tile_product(a.reshape(rows, depth), panels, columns).reshape(*a.shape[:-1], columns)
+    if native_products.tiled(dtype, rows, depth, columns):
+        flat = a if a_transposed else a.reshape(rows, depth)
+        result = native_products.multiply(flat, b, columns, a_transposed, b_transposed)
+        return result if a_transposed else result.reshape(*a.shape[:-1], columns)
     a = transposed(a, dtype) if a_transposed else a
     b = b.T if b_transposed else b
     if not narrow:
@@ -57,25 +55,6 @@ def product(a: jax.Array, b: jax.Array, dtype, a_transposed: bool = False, b_tra
         return jnp.matmul(a, b, preferred_element_type=jnp.float32)
     padded = jnp.zeros((2, a.shape[-1]), dtype).at[0].set(a.reshape(-1))
     return jnp.matmul(padded, b, preferred_element_type=jnp.float32)[0].reshape(*a.shape[:-1], b.shape[-1])
-
-
-def _tiled(rows: int, depth: int, columns: int) -> bool:
-    """Whether a bfloat16 product of rows x depth times depth x columns goes to our AMX kernel
-    (`core.model.native.tile_product`): on a CPU with AMX, in a process of one device (XLA does
-    not split a kernel of ours across devices: each would gather the whole operands), and at the
-    shapes where it beats XLA's. SmolLM2's layers at 2,048 tokens and their two gradients ran at
-    1.3-1.9x XLA's speed (1,200-1,700 against 480-1,100 GFLOP/s); the output layer's products
-    over 49,152 pieces, which write 100 MB of float32 a chunk or read 57 MB of weights, ran at
-    XLA's speed or slower, bound by memory: hence at least 32 of each (a tile's block), depth
-    and columns within 8,192, and results within 2^23 values."""
-    if min(rows, depth, columns) < 32 or max(depth, columns) > 8192 or rows * columns > 2**23:
-        return False
-    return _tiles_here()
-
-
-def _tiles_here() -> bool:
-    """AMX's tiles usable here, by a process of one device (`_tiled`)."""
-    return jax.default_backend() == "cpu" and jax.device_count() == 1 and native.tiles_ready()
 
 
 def transposed(a: jax.Array, dtype, axes: tuple[int, ...] | None = None) -> jax.Array:
@@ -188,36 +167,16 @@ _matmul.defvjp(_matmul_forward, _matmul_backward)
 def einsum_product(spec: str, a, b):
     """jnp.einsum(spec, a, b) with float32 results, multiplied in the narrower dtype of the
     operands and of `core.model.precision.products_in`. A stack of matrix products (the
-    blockwise attention's, `_stacked`) in bfloat16 goes to AMX's tiles where `_tiled`."""
+    blockwise attention's) goes to a kernel of ours where `core.model.native_products` says so."""
     dtype = narrower(a.dtype, b.dtype)
-    layout = _stacked(spec)
-    if layout is not None and jnp.dtype(dtype) == jnp.bfloat16 and a.shape[:-2] == b.shape[:-2]:
+    layout = native_products.stacked(spec)
+    if layout is not None and a.shape[:-2] == b.shape[:-2]:
         a_transposed, b_transposed = layout
         rows, depth = a.shape[-2:][::-1] if a_transposed else a.shape[-2:]
         columns = b.shape[-2] if b_transposed else b.shape[-1]
-        if _tiled(rows, depth, columns):
-            a, b = (x if x.dtype in (jnp.float32, jnp.bfloat16) else x.astype(dtype) for x in (a, b))
-            return native.tile_product(a, native.tile_columns(b, b_transposed), columns, a_transposed)
+        if native_products.tiled(dtype, rows, depth, columns):
+            return native_products.multiply(a, b, columns, a_transposed, b_transposed)
     return jnp.einsum(spec, a.astype(dtype), b.astype(dtype), preferred_element_type=jnp.float32)
-
-
-def _stacked(spec: str) -> tuple[bool, bool] | None:
-    """For an einsum of two stacks of matrices ("BKTS,BKSH->BKTH": the same leading letters in
-    both operands and the result, one letter contracted, the result's rows from the first and
-    columns from the second), whether each operand holds its matrices transposed; else None."""
-    operands, result = spec.replace(" ", "").split("->")
-    a, b = operands.split(",")
-    stack = result[:-2]
-    if len(a) != len(result) or len(b) != len(result) or not (a.startswith(stack) and b.startswith(stack)):
-        return None
-    a, b, result = a[len(stack) :], b[len(stack) :], result[len(stack) :]
-    shared = set(a) & set(b)
-    if len(shared) != 1 or len(set(a)) != 2 or len(set(b)) != 2:
-        return None
-    (contracted,) = shared
-    if result != a.replace(contracted, "") + b.replace(contracted, ""):
-        return None
-    return a.index(contracted) == 0, b.index(contracted) == 1
 
 
 def narrowed(params: Any, dtype: str) -> Any:

@@ -17,20 +17,10 @@
 // that stays in the core's L2 against each block of A's rows in turn. Every bfloat16 is
 // rounded to nearest even from float32, as XLA converts, and each product of two is exact in
 // float32: only the order of the float32 sums differs from XLA's.
-#include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#include <algorithm>
-#include <cstdint>
-#include <cstring>
-#include <functional>
-#include <memory>
-#include <atomic>
-
-#include "xla/ffi/api/ffi.h"
-
-namespace ffi = xla::ffi;
+#include "operands.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define APPS_TILES 1
@@ -54,27 +44,6 @@ static inline int64_t whole(int64_t n) { return (n + kSide - 1) / kSide * kSide;
 
 #ifdef APPS_TILES
 
-// A float32 as bfloat16 bits, rounded to nearest even as XLA converts (a NaN stays a NaN).
-static inline uint16_t bits(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-  return uint16_t((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
-}
-static inline uint16_t bits(uint16_t x) { return x; }
-
-// An operand as XLA hands it over: element (i, j) of a [rows, columns] matrix lies at
-// data[i * columns + j], or at data[j * rows + i] when it is stored transposed (a layer's weight
-// read as its transpose for the input's gradient, the input read as its transpose for the weight's).
-template <class T>
-struct Operand {
-  const T* data;
-  int64_t rows, columns;
-  bool transposed;
-  uint16_t at(int64_t i, int64_t j) const { return bits(data[transposed ? j * rows + i : i * columns + j]); }
-  Operand matrix(int64_t m) const { return {data + m * rows * columns, rows, columns, transposed}; }
-};
-
 // 32 values of a row from `from` (up to `count` of them, zeros after) as bfloat16 bits.
 static inline __m512i row32(const float* from, int64_t count) {
   const int64_t low = std::min<int64_t>(count, 16), high = std::clamp<int64_t>(count - 16, 0, 16);
@@ -85,7 +54,6 @@ static inline __m512i row32(const float* from, int64_t count) {
 static inline __m512i row32(const uint16_t* from, int64_t count) {
   return _mm512_maskz_loadu_epi16(count >= 32 ? ~0u : __mmask32((1u << count) - 1), from);
 }
-static inline __mmask16 first16(int64_t count) { return __mmask16(count >= 16 ? 0xffff : (1u << std::max<int64_t>(count, 0)) - 1); }
 
 // Row i's values j .. j + 31 of a transposed operand (up to the end of the row), 16 lanes a
 // gather each (float32; bfloat16 one at a time).
@@ -236,29 +204,6 @@ static void blocks(const uint16_t* a, const uint16_t* panels, float* c, int64_t 
 
 #endif  // APPS_TILES
 
-// Pieces 0 .. n - 1 of `body` on the calling thread and on XLA's intra-op threads, which run
-// the step's other operations too. The calling thread returns once every piece is done; a task
-// that starts later finds none left.
-static void run(ffi::ThreadPool& pool, int64_t n, const std::function<void(int64_t)>& body) {
-  struct Pieces {
-    const std::function<void(int64_t)>* body;
-    int64_t n;
-    std::atomic<int64_t> next{0}, done{0};
-  };
-  auto pieces = std::make_shared<Pieces>();
-  pieces->body = &body;
-  pieces->n = n;
-  const auto work = [pieces] {
-    for (int64_t k; (k = pieces->next.fetch_add(1)) < pieces->n; pieces->done.fetch_add(1)) (*pieces->body)(k);
-  };
-  for (int64_t t = 1; t < std::min<int64_t>(n, pool.num_threads()); ++t) {
-    auto task = work;
-    pool.Schedule(std::move(task));
-  }
-  work();
-  while (pieces->done.load(std::memory_order_acquire) < n) _mm_pause();
-}
-
 // A panel group's bytes: what stays in L2 while blocks of A's rows go by.
 constexpr int64_t kGroupBytes = 320 * 1024;
 
@@ -284,33 +229,6 @@ using Rows = ffi::Buffer<ffi::BF16>;
 static ffi::Error Unsupported() {
   return ffi::Error(ffi::ErrorCode::kUnimplemented, "bf16_tiles: this library was built for a CPU without AMX");
 }
-
-// A buffer [..., R, C] as a stack of matrices: how many, and R and C.
-struct Stack {
-  int64_t count = 1, first = 0, second = 0;
-  explicit Stack(ffi::Span<const int64_t> shape) {
-    for (size_t i = 0; i + 2 < shape.size(); ++i) count *= shape[i];
-    if (shape.size() >= 2) first = shape[shape.size() - 2], second = shape[shape.size() - 1];
-  }
-};
-
-#ifdef APPS_TILES
-// body(operand) with matrix 0 of `buffer` as the Operand of its element type, [rows, columns] as
-// the product reads it (stored [columns, rows] when `transposed`); false for an element type other
-// than float32 and bfloat16.
-template <class F>
-static bool as_operand(const ffi::AnyBuffer& buffer, bool transposed, F&& body) {
-  const Stack shape(buffer.dimensions());
-  const int64_t rows = transposed ? shape.second : shape.first, columns = transposed ? shape.first : shape.second;
-  if (buffer.element_type() == ffi::DataType::F32)
-    body(Operand<float>{reinterpret_cast<const float*>(buffer.untyped_data()), rows, columns, transposed});
-  else if (buffer.element_type() == ffi::DataType::BF16)
-    body(Operand<uint16_t>{reinterpret_cast<const uint16_t*>(buffer.untyped_data()), rows, columns, transposed});
-  else
-    return false;
-  return true;
-}
-#endif
 
 static ffi::Error TileColumnsImpl(ffi::ThreadPool pool, ffi::AnyBuffer b, ffi::Result<Panels> panels, bool transposed) {
 #ifdef APPS_TILES
