@@ -1,9 +1,10 @@
 // Bfloat16 products with float32 sums on Intel's AMX tiles, for the large products of a
 // training step (core/model/native.py builds this folder and registers it with XLA;
-// core/model/tiles.py calls it):
-//   tile_columns: B [K, N] (float32 or bfloat16) -> B in bfloat16, padded with zeros to whole
-//                 tiles and laid out as the tiles read it, [N/32][K/2][32][2];
-//   tile_product: A [M, K] (float32 or bfloat16) times such a B -> C [M, N] float32.
+// core/model/native_products.py calls it):
+//   tile_columns: B [..., K, N] (float32 or bfloat16, each matrix stored as it is or transposed)
+//                 -> B in bfloat16, zeros to whole tiles, laid out as the tiles read it,
+//                 [..., N/32, K/2, 64];
+//   tile_product: A [..., M, K] (the same kinds) times such a B -> C [..., M, N] float32.
 //
 // Why a kernel of our own: XLA:CPU multiplies bfloat16 through YNNPACK, which does not use AMX
 // on this jaxlib (1,111-1,461 GFLOP/s on two Sapphire Rapids cores at 2,048 x 576 x 1,536,
@@ -11,12 +12,16 @@
 // One TDPBF16PS multiplies a 16 x 32 tile of A by a 32 x 16 one of B into 16 x 16 float32
 // sums; a block of 32 x 32 outputs keeps its four sums in tiles 0-3 while two tiles of A (4,
 // 5) and two of B (6, 7) stream through K, four products for four loads. A is copied once per
-// call into bfloat16 rows padded to whole tiles and aligned to cache lines (tile loads across
-// two lines run at two thirds of the speed); B's columns go in panels of 32 whose K/2 rows
-// hold pairs of B's rows side by side, as TDPBF16PS reads them. Blocks run a group of panels
-// that stays in the core's L2 against each block of A's rows in turn. Every bfloat16 is
-// rounded to nearest even from float32, as XLA converts, and each product of two is exact in
-// float32: only the order of the float32 sums differs from XLA's.
+// call into bfloat16 rows padded to whole tiles (tile loads across two cache lines run at two
+// thirds of the speed); B's columns go in panels of 32 whose K/2 rows hold pairs of B's rows
+// side by side, as TDPBF16PS reads them. Reading an operand transposed, as XLA hands over a
+// weight for its input's gradient and an input for its weight's, is a gather in that copy:
+// XLA's own transposed copies had cost more than the products saved. Blocks run a group of
+// panels that stays in the core's L2 against each block of A's rows in turn, the depth in
+// spans of 2,048. Every bfloat16 is rounded to nearest even from float32, as XLA converts, and
+// each product of two is exact in float32: only the order of the float32 sums differs from XLA's.
+// The pieces run on XLA's intra-op threads (`run`): a thread of our own competed with XLA's
+// other operations, and the step ran 12% slower than with XLA's products.
 #include <sys/syscall.h>
 #include <unistd.h>
 
