@@ -51,10 +51,9 @@ static inline int64_t whole(int64_t n) { return (n + kSide - 1) / kSide * kSide;
 
 // 32 values of a row from `from` (up to `count` of them, zeros after) as bfloat16 bits.
 static inline __m512i row32(const float* from, int64_t count) {
-  const int64_t low = std::min<int64_t>(count, 16), high = std::clamp<int64_t>(count - 16, 0, 16);
-  const __m512 a = _mm512_maskz_loadu_ps(__mmask16((1u << low) - 1), from);
-  const __m512 b = _mm512_maskz_loadu_ps(__mmask16((1u << high) - 1), from + 16);
-  return __m512i(_mm512_cvtne2ps_pbh(b, a));
+  const __m512 low = _mm512_maskz_loadu_ps(first16(count), from);
+  const __m512 high = _mm512_maskz_loadu_ps(first16(count - 16), from + 16);
+  return __m512i(_mm512_cvtne2ps_pbh(high, low));
 }
 static inline __m512i row32(const uint16_t* from, int64_t count) {
   return _mm512_maskz_loadu_epi16(count >= 32 ? ~0u : __mmask32((1u << count) - 1), from);

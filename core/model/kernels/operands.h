@@ -37,6 +37,7 @@ struct Operand {
   Operand matrix(int64_t m) const { return {data + m * rows * columns, rows, columns, transposed}; }
 };
 
+// The first `count` of 16 lanes (none from zero down, all from 16 up).
 static inline __mmask16 first16(int64_t count) { return __mmask16(count >= 16 ? 0xffff : (1u << std::max<int64_t>(count, 0)) - 1); }
 
 // Pieces 0 .. n - 1 of `body` on the calling thread and on XLA's intra-op threads, which run
