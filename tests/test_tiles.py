@@ -4,6 +4,10 @@ training products (`core.model.precision.matmul`) through them against XLA's."""
 
 from __future__ import annotations
 
+import os
+import re
+import shutil
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,6 +27,17 @@ SHAPES = [
     (64, 4200, 64),
     (40, 2100, 50),
 ]
+
+
+def test_the_tiles_run_where_the_cpu_has_them():
+    """On a CPU whose flags list AMX's bfloat16 tiles, with a C++ compiler and a Linux that hands
+    the tiles out (5.16 and later), the kernel builds and runs: the tests here run, not skip."""
+    release = tuple(int(part) for part in re.findall(r"\d+", os.uname().release)[:2])
+    if not {"amx_bf16", "amx_tile", "avx512_bf16"} <= precision._cpu_flags() or not shutil.which("g++"):
+        pytest.skip("this CPU has no AMX tiles, or there is no C++ compiler")
+    if release < (5, 16):
+        pytest.skip(f"Linux {os.uname().release} does not hand out AMX tiles")
+    assert native.tiles_ready()
 
 
 @needs_tiles

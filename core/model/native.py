@@ -6,7 +6,7 @@ first use into one library, whose handlers are registered as XLA FFI targets (`j
 - `cached_rows` attends one new query per row over its key/value cache, reading only the slots
   each row holds (`core.model.attention.cached_attention`);
 - `tile_columns` and `tile_product` multiply in bfloat16 with float32 sums on AMX tiles, the
-  large products of a training step on CPUs that have them (`core.model.precision.product`;
+  large products of a training step on CPUs that have them (`core.model.native_products`;
   `tiles_ready()`).
 
 The library is built once per source, jaxlib, compiler and CPU (`-march=native`) into the cache
