@@ -32,8 +32,7 @@ struct Operand {
   const T* data;
   int64_t rows, columns;
   bool transposed;
-  T raw(int64_t i, int64_t j) const { return data[transposed ? j * rows + i : i * columns + j]; }
-  uint16_t at(int64_t i, int64_t j) const { return bits(raw(i, j)); }
+  uint16_t at(int64_t i, int64_t j) const { return bits(data[transposed ? j * rows + i : i * columns + j]); }
   Operand matrix(int64_t m) const { return {data + m * rows * columns, rows, columns, transposed}; }
 };
 
