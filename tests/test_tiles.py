@@ -115,7 +115,7 @@ def test_training_products_through_tiles_match_xla(monkeypatch):
     x = jnp.asarray(RNG.standard_normal((3, 50, 96)), jnp.float32)
     w = jnp.asarray(RNG.standard_normal((96, 80)) * 0.1, jnp.float32)
     plain = jax.jit(_step)(x, w)
-    monkeypatch.setattr(native_products, "_here", lambda: True)
+    monkeypatch.setattr(native_products, "here", lambda: True)
     tiles = jax.jit(lambda x, w: _step(x, w))  # a new function: jit's cache holds XLA's trace of _step
     assert tiles.lower(x, w).as_text().count("apps_tile_product") == 3  # forward, both gradients
     tiled = tiles(x, w)
@@ -126,7 +126,7 @@ def test_training_products_through_tiles_match_xla(monkeypatch):
 def test_several_devices_keep_xla_products():
     """With several devices (the suite's eight) the products stay XLA's, which it splits across
     them: an FFI call would gather its operands whole to every device."""
-    assert jax.device_count() > 1 and not native_products._here()
+    assert jax.device_count() > 1 and not native_products.here()
     x, w = jnp.ones((64, 96)), jnp.ones((96, 80))
     assert "apps_tile" not in jax.jit(_step).lower(x, w).as_text()
 
@@ -164,7 +164,7 @@ def test_attention_products_through_tiles_match_xla(monkeypatch):
             ]
 
     plain = jax.jit(products)(q, k, g, p)
-    monkeypatch.setattr(native_products, "_here", lambda: True)
+    monkeypatch.setattr(native_products, "here", lambda: True)
     tiles = jax.jit(lambda *x: products(*x))
     assert tiles.lower(q, k, g, p).as_text().count("apps_tile_product") == 3
     for got, want in zip(tiles(q, k, g, p), plain):

@@ -7,7 +7,9 @@ first use into one library, whose handlers are registered as XLA FFI targets (`j
   each row holds (`core.model.attention.cached_attention`);
 - `tile_columns` and `tile_product` multiply in bfloat16 with float32 sums on AMX tiles, the
   large products of a training step on CPUs that have them (`core.model.native_products`;
-  `tiles_ready()`).
+  `tiles_ready()`);
+- `flash_forward` and `flash_backward` attend on the same tiles, the attention of a training
+  step (`core.model.flash`).
 
 The library is built once per source, jaxlib, compiler and CPU (`-march=native`) into the cache
 folder (~/.cache/apps/kernels), where concurrent processes each rename a whole file into place.
@@ -43,6 +45,8 @@ TARGETS = {
     "apps_cached_rows": "CachedAttention",
     "apps_tile_columns": "TileColumns",
     "apps_tile_product": "TileProduct",
+    "apps_flash_forward": "FlashForward",
+    "apps_flash_backward": "FlashBackward",
 }
 log = logging.getLogger("apps")
 
@@ -168,3 +172,27 @@ def tile_product(a: jax.Array, panels: jax.Array, columns: int, transposed: bool
     )
     call = jax.ffi.ffi_call("apps_tile_product", out, vmap_method="sequential")
     return call(a, panels, transposed=np.bool_(transposed))[0]
+
+
+def flash_forward(q, k, v, mask, query_segments, key_segments, causal: bool, window: int | None):
+    """q [B, Tq, N, H], k, v [B, Tk, K, H] (bfloat16, H a multiple of 32), mask [B, Tk] (uint8,
+    nonzero at real keys), segments [B, Tq] and [B, Tk] (int32) -> (out [B, Tq, N, H], lse
+    [B, N, Tq]) float32: each query's softmax over the keys it sees (`causal`, within `window`),
+    the scores q . k / sqrt(H) and the values' weighting in bfloat16 with float32 sums, and its
+    scores' log-sum-exp (-inf where it sees none; its output is then 0) (kernels/flash_tiles.cc).
+    Only where `tiles_ready()`."""
+    B, T, N, H = q.shape
+    out = (jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct((B, N, T), jnp.float32))
+    call = jax.ffi.ffi_call("apps_flash_forward", out, vmap_method="sequential")
+    return call(q, k, v, mask, query_segments, key_segments, causal=np.bool_(causal), window=np.int64(window or 0))
+
+
+def flash_backward(q, k, v, mask, query_segments, key_segments, lse, grad, causal: bool, window: int | None):
+    """The gradients (dq, dk, dv, float32) of `flash_forward`'s output with respect to q, k and
+    v, given its `lse` and the output's gradient `grad` [B, Tq, N, H] (bfloat16). Only where
+    `tiles_ready()`."""
+    out = tuple(jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (q, k, v))
+    call = jax.ffi.ffi_call("apps_flash_backward", out, vmap_method="sequential")
+    return call(
+        q, k, v, mask, query_segments, key_segments, lse, grad, causal=np.bool_(causal), window=np.int64(window or 0)
+    )

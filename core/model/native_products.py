@@ -29,10 +29,10 @@ def tiled(dtype, rows: int, depth: int, columns: int) -> bool:
     and columns within 8,192, and results within 2^23 values."""
     if min(rows, depth, columns) < 32 or max(depth, columns) > 8192 or rows * columns > 2**23:
         return False
-    return jnp.dtype(dtype) == jnp.bfloat16 and _here()
+    return jnp.dtype(dtype) == jnp.bfloat16 and here()
 
 
-def _here() -> bool:
+def here() -> bool:
     """Whether the tiles run here, for a process of one device (`tiled`)."""
     return jax.device_count() == 1 and native.tiles_ready()  # tiles_ready: False off the CPU backend
 

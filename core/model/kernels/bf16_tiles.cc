@@ -25,11 +25,9 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#include "operands.h"
+#include "tiles.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define APPS_TILES 1
-#endif
+constexpr int64_t kDepth = 2048;  // the depth of A's rows and B's panels that a block reads at a time
 
 // Whether this process may use the tiles: Linux hands them out on request, once a process.
 extern "C" int apps_tiles_ready() {
@@ -42,22 +40,7 @@ extern "C" int apps_tiles_ready() {
 #endif
 }
 
-constexpr int64_t kSide = 32;    // rows and columns of a block; K goes through in steps of 32 too
-constexpr int64_t kDepth = 2048;  // the depth of A's rows and B's panels that a block reads at a time
-
-static inline int64_t whole(int64_t n) { return (n + kSide - 1) / kSide * kSide; }
-
 #ifdef APPS_TILES
-
-// 32 values of a row from `from` (up to `count` of them, zeros after) as bfloat16 bits.
-static inline __m512i row32(const float* from, int64_t count) {
-  const __m512 low = _mm512_maskz_loadu_ps(first16(count), from);
-  const __m512 high = _mm512_maskz_loadu_ps(first16(count - 16), from + 16);
-  return __m512i(_mm512_cvtne2ps_pbh(high, low));
-}
-static inline __m512i row32(const uint16_t* from, int64_t count) {
-  return _mm512_maskz_loadu_epi16(count >= 32 ? ~0u : __mmask32((1u << count) - 1), from);
-}
 
 // Row i's values j .. j + 31 of a transposed operand (up to the end of the row), 16 lanes a
 // gather each (float32; bfloat16 one at a time).
@@ -110,11 +93,6 @@ static inline __m512i pairs16(const Operand<uint16_t>& b, int64_t j, int64_t n) 
 // columns' values at rows 2j and 2j + 1 of B side by side (64 bfloat16).
 template <class T>
 static void copy_panels(const Operand<T>& b, uint16_t* out, int64_t begin, int64_t end) {
-  // Lanes 2i and 2i + 1 of the first half take column i of the two rows, the second half's column 16 + i.
-  alignas(64) uint16_t first[32], second[32];
-  for (int i = 0; i < 16; ++i) first[2 * i] = i, first[2 * i + 1] = 32 + i;
-  for (int i = 0; i < 32; ++i) second[i] = first[i] + 16;
-  const __m512i low = _mm512_load_si512(first), high = _mm512_load_si512(second);
   const int64_t depth = b.rows, columns = b.columns, pairs = whole(depth) / 2;
   for (int64_t p = begin; p < end; ++p) {
     const int64_t n = p * kSide, count = std::min(kSide, columns - n);
@@ -130,55 +108,10 @@ static void copy_panels(const Operand<T>& b, uint16_t* out, int64_t begin, int64
       } else {
         const __m512i even = k < depth ? row32(b.data + k * columns + n, count) : _mm512_setzero_si512();
         const __m512i odd = k + 1 < depth ? row32(b.data + (k + 1) * columns + n, count) : _mm512_setzero_si512();
-        _mm512_storeu_si512(panel + j * 64, _mm512_permutex2var_epi16(even, low, odd));
-        _mm512_storeu_si512(panel + j * 64 + 32, _mm512_permutex2var_epi16(even, high, odd));
+        paired(even, odd, panel + j * 64);
       }
     }
   }
-}
-
-struct TileShapes {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t bytes[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Every tile 16 rows of 64 bytes: sums 16 x 16 float32, A 16 x 32 and B 16 pairs x 16 x 2 bfloat16.
-static void configure() {
-  TileShapes shapes;
-  for (int t = 0; t < 8; ++t) shapes.rows[t] = 16, shapes.bytes[t] = 64;
-  _tile_loadconfig(&shapes);
-}
-
-// C's block of 32 x 32 at `c` (row stride `stride` floats) from 32 rows of A (`width` apart)
-// and one panel of B, over depths [begin, end): the sums start from C's (`add`) or from zero.
-static inline void block(const uint16_t* a, int64_t width, const uint16_t* panel, int64_t begin, int64_t end, float* c,
-                         int64_t stride, bool add) {
-  if (add) {
-    _tile_loadd(0, c, stride * 4);
-    _tile_loadd(1, c + 16, stride * 4);
-    _tile_loadd(2, c + 16 * stride, stride * 4);
-    _tile_loadd(3, c + 16 * stride + 16, stride * 4);
-  } else {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-  }
-  for (int64_t k = begin; k < end; k += kSide) {
-    _tile_loadd(4, a + k, width * 2);
-    _tile_loadd(5, a + 16 * width + k, width * 2);
-    _tile_loadd(6, panel + k * kSide, 128);
-    _tile_loadd(7, panel + k * kSide + 32, 128);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
-  }
-  _tile_stored(0, c, stride * 4);
-  _tile_stored(1, c + 16, stride * 4);
-  _tile_stored(2, c + 16 * stride, stride * 4);
-  _tile_stored(3, c + 16 * stride + 16, stride * 4);
 }
 
 // C's blocks of rows [row_begin, row_end) and panels [panel_begin, panel_end), the depth in
