@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from core.model import native, native_products, precision
+from core.training import losses
 
 RNG = np.random.default_rng(0)
 needs_tiles = pytest.mark.skipif(not native.tiles_ready(), reason="this CPU has no AMX tiles (or no C++ compiler)")
@@ -120,6 +121,34 @@ def test_training_products_through_tiles_match_xla(monkeypatch):
     assert tiles.lower(x, w).as_text().count("apps_tile_product") == 3  # forward, both gradients
     tiled = tiles(x, w)
     for got, want in zip(jax.tree.leaves(tiled), jax.tree.leaves(plain)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5 * np.abs(want).max())
+
+
+def _output_layer(hidden, weight, targets, weights):
+    def loss(hidden, weight):
+        with precision.products_in("bfloat16"):
+            return losses.linear_cross_entropy(hidden, weight, targets, weights, chunk=48)[0]
+
+    return jax.value_and_grad(loss, argnums=(0, 1))(hidden, weight)
+
+
+@needs_tiles
+def test_the_output_layer_through_tiles_matches_xla(monkeypatch):
+    """The fused cross-entropy's three products (logits, the hidden's and the weight's gradients)
+    on the tiles, from the weight's panels laid out once for all chunks: XLA's loss and gradients
+    to float32's rounding of the sums, over chunks of 48 rows of which the last is part padding
+    and one counts nothing."""
+    hidden = jnp.asarray(RNG.standard_normal((2, 60, 64)), jnp.float32)
+    weight = jnp.asarray(RNG.standard_normal((300, 64)) * 0.1, jnp.float32)
+    targets = jnp.asarray(RNG.integers(0, 300, (2, 60)))
+    weights = jnp.ones((2, 60)).at[1, 20:].set(0)  # 80 counted positions: chunks of 48, 32 and none
+    plain = jax.jit(_output_layer)(hidden, weight, targets, weights)
+    monkeypatch.setattr(native_products, "here", lambda: True)
+    tiles = jax.jit(lambda *args: _output_layer(*args))
+    text = tiles.lower(hidden, weight, targets, weights).as_text()
+    # The weight read both ways (once, before the loop over chunks), a chunk's g; three products a chunk.
+    assert text.count("apps_tile_columns") == 3 and text.count("apps_tile_product") == 3
+    for got, want in zip(jax.tree.leaves(tiles(hidden, weight, targets, weights)), jax.tree.leaves(plain)):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5 * np.abs(want).max())
 
 

@@ -29,6 +29,11 @@ def tiled(dtype, rows: int, depth: int, columns: int) -> bool:
     and columns within 8,192, and results within 2^23 values."""
     if min(rows, depth, columns) < 32 or max(depth, columns) > 8192 or rows * columns > 2**23:
         return False
+    return takes(dtype)
+
+
+def takes(dtype) -> bool:
+    """Whether products in `dtype` go to the tiles here, whatever their shape (`panels`)."""
     return jnp.dtype(dtype) == jnp.bfloat16 and here()
 
 
@@ -42,6 +47,19 @@ def multiply(a, b, columns: int, a_transposed: bool, b_transposed: bool) -> jax.
     [..., N, K] when `b_transposed`) on AMX's tiles -> [..., M, N] float32."""
     a, b = (x if x.dtype in (jnp.float32, jnp.bfloat16) else x.astype(jnp.bfloat16) for x in (a, b))
     return native.tile_product(a, native.tile_columns(b, b_transposed), columns, a_transposed)
+
+
+def panels(b, transposed: bool = False) -> jax.Array:
+    """b [K, N] (stored [N, K] when `transposed`) laid out for `multiply_panels`, once for
+    several products (a step's output layer over its chunks)."""
+    return native.tile_columns(b if b.dtype in (jnp.float32, jnp.bfloat16) else b.astype(jnp.bfloat16), transposed)
+
+
+def multiply_panels(a, b_panels, columns: int) -> jax.Array:
+    """a [M, K] times the b [K, N = `columns`] of `panels` on the tiles -> [M, N] float32."""
+    return native.tile_product(
+        a if a.dtype in (jnp.float32, jnp.bfloat16) else a.astype(jnp.bfloat16), b_panels, columns
+    )
 
 
 def stacked(spec: str) -> tuple[bool, bool] | None:
