@@ -33,7 +33,7 @@ from jax.extend.core import Literal
 from core.config import Config
 from core.errors import UserError
 from core.model import lora
-from core.model.precision import chosen_products
+from core.model.precision import chosen_products, products_in
 from core.training.steps import cast_for_compute
 
 GB = 1024**3
@@ -94,8 +94,7 @@ def estimate(task, featurizer, config: Config, sample: dict) -> Estimate:
     trained = _count(lora.split(flat, config.model, type(abstract).transferred)[0])
     train = config.train
     shard = max(train.fsdp, 1)
-    # bfloat16 compute multiplies in bfloat16 whatever `matmul_dtype` says.
-    products = "bfloat16" if train.compute_dtype == "bfloat16" else chosen_products(train.matmul_dtype)
+    products = _products(train)
     narrow = products == "bfloat16"
     weights = parameters * 4 / shard + (parameters * 2 / shard if narrow else 0)
     optimizer = trained * 4 * 3 / shard
@@ -128,6 +127,12 @@ def kept_for_backward(task, featurizer, config: Config, abstract: nnx.Module, sa
     return _residuals(task, config, abstract, sample, rows) + plain // max(config.model.num_layers, 1)
 
 
+def _products(train) -> str:
+    """The dtype a run's products are in: bfloat16 compute multiplies in bfloat16 whatever
+    `matmul_dtype` says."""
+    return "bfloat16" if train.compute_dtype == "bfloat16" else chosen_products(train.matmul_dtype)
+
+
 def _abstract(task, featurizer, config: Config) -> nnx.Module:
     return nnx.eval_shape(lambda: task.model(featurizer, config, nnx.Rngs(0)))
 
@@ -144,9 +149,11 @@ def _residuals(task, config: Config, abstract: nnx.Module, sample: dict, rows: i
         model = nnx.merge(graphdef, cast_for_compute(lora.join(params, frozen), config.train.compute_dtype))
         return task.loss(model(batch, dropout_key=jax.random.key(0)), batch)[0]
 
-    traced, shapes = jax.make_jaxpr(
-        lambda params, frozen, batch: jax.vjp(lambda p: loss(p, frozen, batch), params), return_shape=True
-    )(params, frozen, batch)
+    # Traced in the run's products' dtype: what the attention and the output layer keep depends on it.
+    with products_in(_products(config.train)):
+        traced, shapes = jax.make_jaxpr(
+            lambda params, frozen, batch: jax.vjp(lambda p: loss(p, frozen, batch), params), return_shape=True
+        )(params, frozen, batch)
     outputs = traced.jaxpr.outvars[len(traced.jaxpr.outvars) - len(jax.tree.leaves(shapes[1])) :]
     inputs = set(traced.jaxpr.invars)
     kept = [var for var in outputs if not isinstance(var, Literal) and var not in inputs]
