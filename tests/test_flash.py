@@ -1,4 +1,4 @@
-"""Attention on AMX's tiles (`core.model.flash`, kernels/flash_tiles.cc): its output and the
+"""Attention on AMX's tiles (`core.model.flash`, kernels/flash.h): its output and the
 gradients of q, k and v against the blockwise kernel's under bfloat16 products, and against
 float64 arithmetic on the same bfloat16 inputs, over causal, windowed, padded, packed, grouped
 and cross attention; where it replaces the blockwise kernel."""

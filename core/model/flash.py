@@ -1,5 +1,5 @@
 """Attention of a training step on AMX's tiles (`core.model.native.flash_forward` and
-`flash_backward`, kernels/flash_tiles.cc): the blockwise kernel's attention
+`flash_backward`, kernels/flash.h): the blockwise kernel's attention
 (`core.model.attention`), computed a block of 32 queries at a time with its scores kept in
 cache, and its backward from each query's log-sum-exp instead of the saved probabilities.
 

@@ -179,7 +179,7 @@ def flash_forward(q, k, v, mask, query_segments, key_segments, causal: bool, win
     nonzero at real keys), segments [B, Tq] and [B, Tk] (int32) -> (out [B, Tq, N, H], lse
     [B, N, Tq]) float32: each query's softmax over the keys it sees (`causal`, within `window`),
     the scores q . k / sqrt(H) and the values' weighting in bfloat16 with float32 sums, and its
-    scores' log-sum-exp (-inf where it sees none; its output is then 0) (kernels/flash_tiles.cc).
+    scores' log-sum-exp (-inf where it sees none; its output is then 0) (kernels/flash.h).
     Only where `tiles_ready()`."""
     B, T, N, H = q.shape
     out = (jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct((B, N, T), jnp.float32))

@@ -1,4 +1,4 @@
-// AMX's tiles as our kernels use them (bf16_tiles.cc, flash_tiles.cc): a block of 32 x 32
+// AMX's tiles as our kernels use them (bf16_tiles.cc, flash.h): a block of 32 x 32
 // float32 sums in tiles 0-3 from two tiles of A's rows (4, 5) and two of B's columns (6, 7),
 // B laid out in panels of 32 columns whose rows hold pairs of B's rows side by side, as
 // TDPBF16PS reads them.
