@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import subprocess
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +40,21 @@ def test_the_tiles_run_where_the_cpu_has_them():
     if release < (5, 16):
         pytest.skip(f"Linux {os.uname().release} does not hand out AMX tiles")
     assert native.tiles_ready()
+
+
+def test_the_kernels_build_for_a_cpu_without_amx(tmp_path):
+    """The library holds every kernel: where the CPU lacks AMX (an AVX2 one), the tiles' handlers
+    compile to errors that say so, and the int4 and decoding kernels must still build."""
+    compiler = shutil.which("g++")
+    if not compiler:
+        pytest.skip("no C++ compiler")
+    sources = sorted(str(path) for path in native.KERNELS.glob("*.cc"))
+    done = subprocess.run(
+        [compiler, *native.compiler_flags("haswell"), *sources, "-o", str(tmp_path / "avx2.so")],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 @needs_tiles

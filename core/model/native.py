@@ -59,12 +59,17 @@ def _cpu() -> str:
         return platform.processor() or platform.machine()
 
 
+def compiler_flags(cpu: str = "native") -> list[str]:
+    """The flags `built` compiles the kernels with, for this machine's CPU or another (`-march`)."""
+    return ["-O3", f"-march={cpu}", "-std=c++17", "-shared", "-fPIC", "-w", f"-I{jax.ffi.include_dir()}"]
+
+
 def built() -> Path:
     """The shared library of `KERNELS` for this machine, compiled if the cache lacks it."""
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if not compiler:
         raise OSError("no C++ compiler found (install g++, or set CXX)")
-    flags = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w", f"-I{jax.ffi.include_dir()}"]
+    flags = compiler_flags()
     files = sorted(KERNELS.glob("*.[ch]*"))
     sources = [str(path) for path in files if path.suffix == ".cc"]
     key = "\0".join([*(path.read_text() for path in files), jaxlib.__version__, compiler, *flags, _cpu()])

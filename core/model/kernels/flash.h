@@ -34,6 +34,8 @@ using Single = ffi::Buffer<ffi::F32>;
 using Mask = ffi::Buffer<ffi::U8>;
 using Segments = ffi::Buffer<ffi::S32>;
 
+static const uint16_t* bits_of(const Half& x) { return reinterpret_cast<const uint16_t*>(x.typed_data()); }
+
 #ifdef APPS_TILES
 
 constexpr float kUnseen = -std::numeric_limits<float>::infinity();
@@ -140,10 +142,6 @@ static T* sized(std::vector<T>& buffer, int64_t size) {
   return buffer.data();
 }
 
-#endif  // APPS_TILES
-
-static const uint16_t* bits_of(const Half& x) { return reinterpret_cast<const uint16_t*>(x.typed_data()); }
-
 // The call's shapes, checked: q [B, Tq, N, H], k and v [B, Tk, K, H], the mask [B, Tk] and
 // segments [B, Tq] and [B, Tk], H a multiple of 32, N of K, and Tq = Tk when causal.
 static ffi::Error described(const Half& q, const Half& k, const Half& v, const Mask& mask, const Segments& query_segments,
@@ -163,7 +161,36 @@ static ffi::Error described(const Half& q, const Half& k, const Half& v, const M
   return ffi::Error::Success();
 }
 
-static ffi::Error Unsupported() {
+#endif  // APPS_TILES
+
+// body(attention, q, k, v, b, g) for each key head g of each row b, on XLA's threads with the
+// tiles configured, once the operands' shapes are checked (q, k, v as bfloat16 bits).
+template <class F>
+static ffi::Error each_key_head(ffi::ThreadPool& pool, const Half& q, const Half& k, const Half& v, const Mask& mask,
+                                const Segments& query_segments, const Segments& key_segments, bool causal,
+                                int64_t window, F&& body) {
+#ifdef APPS_TILES
+  Attention a;
+  if (auto error = described(q, k, v, mask, query_segments, key_segments, causal, window, a); error.failure()) return error;
+  run(pool, a.batch * a.key_heads, [&](int64_t unit) {
+    configure();
+    body(a, bits_of(q), bits_of(k), bits_of(v), unit / a.key_heads, unit % a.key_heads);
+    _tile_release();
+  });
+  return ffi::Error::Success();
+#else
   return ffi::Error(ffi::ErrorCode::kUnimplemented, "flash attention: this library was built for a CPU without AMX");
+#endif
 }
 
+// The FFI binding of the operands both passes take first: q, k, v, the mask and the segments.
+static auto operands() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<Half>()
+      .Arg<Half>()
+      .Arg<Half>()
+      .Arg<Mask>()
+      .Arg<Segments>()
+      .Arg<Segments>();
+}

@@ -151,30 +151,15 @@ static void backward(const Attention& a, const uint16_t* q, const uint16_t* k, c
 static ffi::Error FlashBackwardImpl(ffi::ThreadPool pool, Half q, Half k, Half v, Mask mask, Segments query_segments,
                                     Segments key_segments, Single lse, Half grad, ffi::Result<Single> dq,
                                     ffi::Result<Single> dk, ffi::Result<Single> dv, bool causal, int64_t window) {
-#ifdef APPS_TILES
-  Attention a;
-  if (auto error = described(q, k, v, mask, query_segments, key_segments, causal, window, a); error.failure()) return error;
-  run(pool, a.batch * a.key_heads, [&](int64_t unit) {
-    configure();
-    backward(a, bits_of(q), bits_of(k), bits_of(v), bits_of(grad), lse.typed_data(), dq->typed_data(), dk->typed_data(),
-             dv->typed_data(), unit / a.key_heads, unit % a.key_heads);
-    _tile_release();
-  });
-  return ffi::Error::Success();
-#else
-  return Unsupported();
-#endif
+  return each_key_head(
+      pool, q, k, v, mask, query_segments, key_segments, causal, window,
+      [&](const auto& a, const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t b, int64_t g) {
+        backward(a, q, k, v, bits_of(grad), lse.typed_data(), dq->typed_data(), dk->typed_data(), dv->typed_data(), b, g);
+      });
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashBackward, FlashBackwardImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<Half>()
-                                  .Arg<Half>()
-                                  .Arg<Half>()
-                                  .Arg<Mask>()
-                                  .Arg<Segments>()
-                                  .Arg<Segments>()
+                              operands()
                                   .Arg<Single>()
                                   .Arg<Half>()
                                   .Ret<Single>()

@@ -70,31 +70,11 @@ static void forward(const Attention& a, const uint16_t* q, const uint16_t* k, co
 static ffi::Error FlashForwardImpl(ffi::ThreadPool pool, Half q, Half k, Half v, Mask mask, Segments query_segments,
                                    Segments key_segments, ffi::Result<Single> out, ffi::Result<Single> lse, bool causal,
                                    int64_t window) {
-#ifdef APPS_TILES
-  Attention a;
-  if (auto error = described(q, k, v, mask, query_segments, key_segments, causal, window, a); error.failure()) return error;
-  run(pool, a.batch * a.key_heads, [&](int64_t unit) {
-    configure();
-    forward(a, bits_of(q), bits_of(k), bits_of(v), out->typed_data(), lse->typed_data(), unit / a.key_heads,
-            unit % a.key_heads);
-    _tile_release();
-  });
-  return ffi::Error::Success();
-#else
-  return Unsupported();
-#endif
+  return each_key_head(pool, q, k, v, mask, query_segments, key_segments, causal, window,
+                       [&](const auto& a, const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t b, int64_t g) {
+                         forward(a, q, k, v, out->typed_data(), lse->typed_data(), b, g);
+                       });
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashForward, FlashForwardImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<Half>()
-                                  .Arg<Half>()
-                                  .Arg<Half>()
-                                  .Arg<Mask>()
-                                  .Arg<Segments>()
-                                  .Arg<Segments>()
-                                  .Ret<Single>()
-                                  .Ret<Single>()
-                                  .Attr<bool>("causal")
-                                  .Attr<int64_t>("window"));
+                              operands().Ret<Single>().Ret<Single>().Attr<bool>("causal").Attr<int64_t>("window"));
