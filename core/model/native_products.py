@@ -45,21 +45,24 @@ def here() -> bool:
 def multiply(a, b, columns: int, a_transposed: bool, b_transposed: bool) -> jax.Array:
     """a [..., M, K] (stored [..., K, M] when `a_transposed`) times b [..., K, N] (stored
     [..., N, K] when `b_transposed`) on AMX's tiles -> [..., M, N] float32."""
-    a, b = (x if x.dtype in (jnp.float32, jnp.bfloat16) else x.astype(jnp.bfloat16) for x in (a, b))
-    return native.tile_product(a, native.tile_columns(b, b_transposed), columns, a_transposed)
+    return multiply_panels(a, panels(b, b_transposed), columns, a_transposed)
 
 
 def panels(b, transposed: bool = False) -> jax.Array:
-    """b [K, N] (stored [N, K] when `transposed`) laid out for `multiply_panels`, once for
-    several products (a step's output layer over its chunks)."""
-    return native.tile_columns(b if b.dtype in (jnp.float32, jnp.bfloat16) else b.astype(jnp.bfloat16), transposed)
+    """b [..., K, N] (stored [..., N, K] when `transposed`) laid out for `multiply_panels`: once
+    for several products where b is the same (a step's output layer over its chunks)."""
+    return native.tile_columns(_operand(b), transposed)
 
 
-def multiply_panels(a, b_panels, columns: int) -> jax.Array:
-    """a [M, K] times the b [K, N = `columns`] of `panels` on the tiles -> [M, N] float32."""
-    return native.tile_product(
-        a if a.dtype in (jnp.float32, jnp.bfloat16) else a.astype(jnp.bfloat16), b_panels, columns
-    )
+def multiply_panels(a, b_panels, columns: int, a_transposed: bool = False) -> jax.Array:
+    """a [..., M, K] (stored [..., K, M] when `a_transposed`) times the b [..., K, N = `columns`]
+    of `panels` on the tiles -> [..., M, N] float32."""
+    return native.tile_product(_operand(a), b_panels, columns, a_transposed)
+
+
+def _operand(x):
+    """x as the kernel reads it: float32 or bfloat16 as it is, any other dtype in bfloat16."""
+    return x if x.dtype in (jnp.float32, jnp.bfloat16) else x.astype(jnp.bfloat16)
 
 
 def stacked(spec: str) -> tuple[bool, bool] | None:
