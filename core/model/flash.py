@@ -41,7 +41,7 @@ def _operands(q, k, v, mask, segments):
     if segments is None:
         query_segments, key_segments = jnp.zeros((B, T), jnp.int32), jnp.zeros((B, S), jnp.int32)
     else:
-        query_segments, key_segments = segments.astype(jnp.int32), segments.astype(jnp.int32)
+        query_segments = key_segments = segments.astype(jnp.int32)  # self-attention: one array for both
     narrow = (x.astype(jnp.bfloat16) for x in (q, k, v))
     return (*narrow, mask.astype(jnp.uint8), query_segments, key_segments)
 

@@ -45,8 +45,7 @@ extern "C" int apps_tiles_ready() {
 // Row i's values j .. j + 31 of a transposed operand (up to the end of the row), 16 lanes a
 // gather each (float32; bfloat16 one at a time).
 static inline __m512i gathered32(const Operand<float>& a, int64_t i, int64_t j) {
-  const __m512i apart = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                           _mm512_set1_epi32(int32_t(a.rows)));
+  const __m512i apart = lanes_apart(a.rows);
   const float* base = a.data + j * a.rows + i;
   const __m512 low = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), first16(a.columns - j), apart, base, 4);
   const __m512 high = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), first16(a.columns - j - 16), apart,
@@ -84,8 +83,7 @@ static inline __m512i pairs16(const Operand<float>& b, int64_t j, int64_t n) {
   return __m512i(_mm512_cvtne2ps_pbh(_mm512_castsi512_ps(high), _mm512_castsi512_ps(low)));
 }
 static inline __m512i pairs16(const Operand<uint16_t>& b, int64_t j, int64_t n) {
-  const __m512i apart = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                           _mm512_set1_epi32(int32_t(b.rows)));
+  const __m512i apart = lanes_apart(b.rows);
   return _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), first16(b.columns - n), apart, b.data + n * b.rows + 2 * j, 2);
 }
 

@@ -20,8 +20,7 @@ constexpr int64_t kSpan = 4 * kSide;
 // Head n's rows of x [B, T, N, H] transposed, [H, length] bfloat16 (length a multiple of 16, at
 // least T), zeros past T: 16 rows at a time, a gather of a pair of dimensions each.
 static void transposed_rows(const Attention& a, const uint16_t* x, int64_t b, int64_t n, int64_t length, uint16_t* out) {
-  const __m512i apart = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                           _mm512_set1_epi32(int32_t(a.heads * a.width * 2)));
+  const __m512i apart = lanes_apart(a.heads * a.width * 2);
   for (int64_t t = 0; t < length; t += 16) {
     const __mmask16 real = first16(a.queries - t);
     const uint16_t* row = real ? a.query_row(x, b, t, n) : x;
@@ -115,8 +114,7 @@ static void backward_span(const Attention& a, const uint16_t* q, const uint16_t*
 
 // x^T [H, padded] float32 into key head g's rows of x [B, Tk, K, H]: 16 dimensions a gather.
 static void transposed_back(const Attention& a, const float* x_t, float* x, int64_t b, int64_t g) {
-  const __m512i apart = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                           _mm512_set1_epi32(int32_t(a.padded() * 4)));
+  const __m512i apart = lanes_apart(a.padded() * 4);
   for (int64_t j = 0; j < a.keys; ++j)
     for (int64_t d = 0; d < a.width; d += 16)
       store(a.key_row(x, b, j, g) + d, _mm512_i32gather_ps(apart, x_t + d * a.padded() + j, 1));

@@ -16,6 +16,12 @@ static inline int64_t whole(int64_t n) { return (n + kSide - 1) / kSide * kSide;
 
 #ifdef APPS_TILES
 
+// The offsets of 16 gathered lanes `apart` units from one another: 0, apart, ..., 15 apart.
+static inline __m512i lanes_apart(int64_t apart) {
+  return _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                            _mm512_set1_epi32(int32_t(apart)));
+}
+
 // 32 values of a row from `from` (up to `count` of them, zeros after) as bfloat16 bits.
 static inline __m512i row32(const float* from, int64_t count) {
   const __m512 low = _mm512_maskz_loadu_ps(first16(count), from);
