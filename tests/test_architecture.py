@@ -147,6 +147,29 @@ def test_no_file_or_function_outgrows_its_limit():
     assert [found for path in source_files() for found in oversized(path)] == []
 
 
+def behind_the_seam(modules: dict[str, Path]) -> list[str]:
+    """Imports of a kernel module (`core.model.kernels.native`, `tiles`, `flash_tiles`, `splash`)
+    from outside `core.model.kernels`: the rest of the core calls the seam, never a kernel."""
+    seam = "core.model.kernels"
+    return [
+        f"{name} -> {target}"
+        for name, targets in core_imports(modules).items()
+        if not name.startswith(seam)
+        for target in sorted(targets)
+        if target.startswith(seam + ".")
+    ]
+
+
+def test_the_core_reaches_kernels_through_the_seam_alone():
+    assert behind_the_seam(core_modules()) == []
+    # Nor do the model, training and generation test the hardware themselves: the seam does.
+    for name, path in core_modules().items():
+        if name.startswith(("core.model.", "core.training.", "core.generation.")) and not name.startswith(
+            "core.model.kernels"
+        ):
+            assert "default_backend" not in path.read_text(), f"{name} asks for the backend; ask the seam"
+
+
 def test_common_imports_only_core():
     for path in (ROOT / "tasks" / "common").glob("*.py"):
         assert task_packages(imported(path)) <= {"common"}, f"tasks/common/{path.name} imports a domain"
@@ -174,6 +197,13 @@ def test_the_rules_see_what_they_forbid(tmp_path):
     assert cycles(core_imports(modules)) == [
         ("core.model.transformer", "core.training.steps"),
         ("core.training.steps", "core.model.transformer"),
+    ]
+    # A layer that multiplies through a kernel module directly goes around the seam.
+    layer = tmp_path / "layer.py"
+    layer.write_text("from core.model.kernels import native\n")
+    (tmp_path / "x.py").write_text("")
+    assert behind_the_seam({"core.model.layers": layer, "core.model.kernels.native": tmp_path / "x.py"}) == [
+        "core.model.layers -> core.model.kernels.native"
     ]
     long = tmp_path / "long.py"
     long.write_text("def f():\n" + "    x = 1\n" * MAX_FUNCTION_LINES)

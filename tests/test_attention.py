@@ -11,7 +11,7 @@ import pytest
 
 from core.config import apply_overrides
 from core.errors import UserError
-from core.model import native
+from core.model.kernels import native
 from core.model.attention import _attend, attention, cached_attention, library_arguments, score_fraction
 from core.model.cache import KeyValues
 from tasks.nlp.sentiment import tiny

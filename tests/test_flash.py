@@ -1,4 +1,4 @@
-"""Attention on AMX's tiles (`core.model.flash`, kernels/flash.h): its output and the
+"""Attention on AMX's tiles (`core.model.kernels.flash_tiles`, kernels/cpu/flash.h): its output and the
 gradients of q, k and v against the blockwise kernel's under bfloat16 products, and against
 float64 arithmetic on the same bfloat16 inputs, over causal, windowed, padded, packed, grouped
 and cross attention; where it replaces the blockwise kernel."""
@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 from core.model import attention as attention_module
-from core.model import flash, native, native_products
+from core.model.kernels import flash_tiles as flash
+from core.model.kernels import native
+from core.model.kernels import tiles as native_products
 from core.model.precision import products_in
 
 needs_tiles = pytest.mark.skipif(not native.tiles_ready(), reason="this CPU has no AMX tiles (or no C++ compiler)")
@@ -122,4 +124,6 @@ def test_the_blockwise_kernel_hands_bfloat16_attention_to_the_tiles_in_a_process
     text = lowered("bfloat16")
     assert "apps_flash_forward" in text and "apps_flash_backward" in text
     assert "apps_flash" not in lowered("float32")
-    assert not flash.usable(jnp.ones((1, 8, 2, 48), jnp.float32), k, True)  # a head width the tiles do not take
+    assert not flash.usable(
+        jnp.ones((1, 8, 2, 48), jnp.float32), k, True, jnp.bfloat16
+    )  # a head width the tiles do not take

@@ -103,3 +103,19 @@ def test_the_apps_program_restarts_itself_with_huge_pages(tmp_path):
 
     assert started_with() == ["None", "glibc.malloc.hugetlb=1"]
     assert started_with(APPS_HUGE_PAGES="0") == ["None"]
+
+
+def test_the_host_settings_are_for_the_cpu_alone(tmp_path):
+    """An accelerator's process keeps glibc's allocator: JAX_PLATFORMS names the backend where it
+    is set, else a TPU's (/dev/accel*, /dev/vfio/N) or an NVIDIA GPU's device files do."""
+    from core.training.host import accelerator_present
+
+    assert not accelerator_present({}, tmp_path)
+    assert not accelerator_present({"JAX_PLATFORMS": "cpu"}, tmp_path)
+    assert accelerator_present({"JAX_PLATFORMS": "tpu,cpu"}, tmp_path)
+    (tmp_path / "vfio").mkdir()
+    (tmp_path / "vfio" / "vfio").touch()  # the control file alone: no device
+    assert not accelerator_present({}, tmp_path)
+    (tmp_path / "vfio" / "0").touch()
+    assert accelerator_present({}, tmp_path)
+    assert not accelerator_present({"JAX_PLATFORMS": "cpu"}, tmp_path)  # forced to the CPU: tuned

@@ -1,5 +1,5 @@
 """Four-bit decoding weights (`core.model.int4`, `narrowed(params, "int4")`): the quantization's
-bound and layout, our kernel (`core.model.native`) against the float product of the same
+bound and layout, our kernel (`core.model.kernels.native`) against the float product of the same
 dequantized matrix, XLA's fallback, and a decoder that decodes with them."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from flax import nnx
 from test_generate import full_logits, language_model
 
 from core.generation.generate import generate
-from core.model import int4, native, quantized
+from core.model import int4, kernels, quantized
+from core.model.kernels import native
 from core.model.precision import narrowed
 
 RNG = np.random.default_rng(0)
@@ -87,11 +88,11 @@ def test_our_kernel_sums_few_rows_in_integers_and_blocks_of_four_in_float32(rows
     assert np.abs(few - exact).max() > 1e-5 * np.abs(exact).max()  # the parts round: not a float product
 
 
-@pytest.mark.parametrize("rows", [1, int4.NATIVE_ROWS])
+@pytest.mark.parametrize("rows", [1, kernels.INT4_ROWS])
 def test_without_our_kernel_or_with_many_rows_the_matrix_widens_to_bfloat16(rows, monkeypatch):
-    """Where our kernel is missing (and from `NATIVE_ROWS` rows on) XLA multiplies x and the
+    """Where our kernel is missing (and from `core.model.kernels.INT4_ROWS` rows on) XLA multiplies x and the
     dequantized matrix, both rounded to bfloat16, in float32 sums."""
-    monkeypatch.setattr(int4.native, "available", lambda: False)
+    monkeypatch.setattr(native, "available", lambda: False)
     x = jnp.asarray(RNG.standard_normal((rows, 64)).astype(np.float32))
     q = int4.quantize(jnp.asarray(RNG.standard_normal((64, 24)).astype(np.float32)))
     bf16 = lambda a: np.asarray(jnp.asarray(a).astype(jnp.bfloat16).astype(jnp.float32), np.float64)  # noqa: E731

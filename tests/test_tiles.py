@@ -1,4 +1,4 @@
-"""Bfloat16 products on AMX tiles (`core.model.native.tile_product`, kernels/bf16_tiles.cc): the
+"""Bfloat16 products on AMX tiles (`core.model.kernels.native.tile_product`, kernels/cpu/bf16_tiles.cc): the
 panels' layout, exact sums where every value is an integer, float32 sums elsewhere, and the
 training products (`core.model.precision.matmul`) through them against XLA's."""
 
@@ -14,7 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from core.model import native, native_products, precision
+from core.model import kernels, precision
+from core.model.kernels import native
+from core.model.kernels import tiles as native_products
 from core.training import losses
 
 RNG = np.random.default_rng(0)
@@ -35,7 +37,7 @@ def test_the_tiles_run_where_the_cpu_has_them():
     """On a CPU whose flags list AMX's bfloat16 tiles, with a C++ compiler and a Linux that hands
     the tiles out (5.16 and later), the kernel builds and runs: the tests here run, not skip."""
     release = tuple(int(part) for part in re.findall(r"\d+", os.uname().release)[:2])
-    if not {"amx_bf16", "amx_tile", "avx512_bf16"} <= precision._cpu_flags() or not shutil.which("g++"):
+    if not {"amx_bf16", "amx_tile", "avx512_bf16"} <= kernels._cpu_flags() or not shutil.which("g++"):
         pytest.skip("this CPU has no AMX tiles, or there is no C++ compiler")
     if release < (5, 16):
         pytest.skip(f"Linux {os.uname().release} does not hand out AMX tiles")

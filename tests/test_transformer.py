@@ -182,11 +182,11 @@ def test_auto_products_are_bfloat16_only_where_the_cpu_multiplies_bfloat16(monke
     """`train.matmul_dtype=auto` (the lm fine-tuning presets'): bfloat16 products on a CPU with
     AMX or AVX-512 BF16, float32 on one that would emulate them (AVX2 alone); the products
     traced under it are those of the dtype chosen."""
-    from core.model import precision
+    from core.model import kernels, precision
 
-    monkeypatch.setattr(precision, "_cpu_flags", lambda: flags)
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: flags)
     expected = "float32" if flags == {"avx2", "fma"} else "bfloat16"
-    assert precision.fastest_products() == precision.chosen_products("auto") == expected
+    assert kernels.fastest_products() == precision.chosen_products("auto") == expected
     assert precision.chosen_products("float32") == "float32"  # named dtypes stand as they are
     x = jnp.asarray(np.random.default_rng(0).standard_normal((4, 24)), jnp.float32)
     kernel = jnp.asarray(np.random.default_rng(1).standard_normal((24, 8)), jnp.float32)

@@ -1,17 +1,19 @@
-"""Self-attention kernels: `jax.nn.dot_product_attention`, or a blockwise form for CPUs.
+"""Self-attention kernels: `jax.nn.dot_product_attention`, a blockwise form for CPUs, or the
+kernels of the seam (`core.model.kernels`: AMX tiles on a CPU, splash attention on a TPU).
 
-`implementation` selects:
+`implementation` (`model.attention`) selects:
 
+- "auto": what the seam chose (`core.model.kernels.attention_kernel`);
 - "xla" / "cudnn": `jax.nn.dot_product_attention` (cuDNN's fused flash kernel on NVIDIA GPUs,
   which needs bf16 or fp16 inputs and takes padding as sequence lengths; the config requires
   bf16 compute with it; it has not yet run on a GPU in this project's tests);
 - "blockwise": queries in up to four blocks, each attending only to the keys it can see, with a
   hand-written backward pass that reuses the saved probabilities. Causal attention then skips
   the masked upper blocks (about 3/8 of the work at four blocks), and the backward is one fused
-  elementwise pass instead of autodiff through the masked softmax. On a 2-core CPU it runs a
-  causal layer's forward and backward in half the time of the XLA path. With bfloat16 products
-  on a CPU with AMX, a kernel of ours computes the same on the tiles (`core.model.flash`);
-- "auto": blockwise on CPU, xla elsewhere.
+  elementwise pass instead of autodiff through the masked softmax: on a 2-core CPU, half the
+  time of the XLA path. With bfloat16 products on a CPU with AMX, the seam's tiles compute the
+  same;
+- "splash": Pallas's splash attention (`core.model.kernels.splash`), XLA's where it cannot run.
 
 Shapes: q [B, T, N, H]; k, v [B, T, K, H] with K key/value heads, each shared by G = N / K query
 heads (grouped-query attention; K = N is plain multi-head attention); mask [B, T] true at real
@@ -39,7 +41,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from core.model import flash, native
+from core.model import kernels
 from core.model.cache import KeyValues, held
 from core.model.precision import einsum_product, narrower, transposed
 
@@ -55,12 +57,16 @@ MAX_BLOCKS = 4
 def attention(
     q, k, v, mask, *, causal: bool, implementation: str, cross: bool = False, window: int | None = None, segments=None
 ):
-    if implementation == "auto":
-        implementation = "blockwise" if jax.default_backend() == "cpu" else "xla"
+    dtype = narrower(q.dtype)
+    implementation = kernels.attention_kernel(q, k, causal, dtype, implementation)
+    if implementation == "tiles":
+        return kernels.tiles_attention(q, k, v, mask, causal, window, segments)
     if implementation == "blockwise":
-        if flash.usable(q, k, causal):
-            return flash.attention(q, k, v, mask, causal, window, segments)
         return blockwise_attention(q, k, v, mask, causal, window, segments)
+    if implementation == "splash":
+        return kernels.splash_attention(
+            q, k, v, mask, causal=causal, dtype=dtype, window=window, segments=segments, cross=cross
+        )
     arguments = library_arguments(mask, causal, implementation, cross)
     if segments is not None:
         if implementation == "cudnn":
@@ -91,9 +97,14 @@ def library_arguments(mask, causal: bool, implementation: str, cross: bool = Fal
 
 def score_fraction(length: int, causal: bool, implementation: str) -> float:
     """The fraction of the T x T attention scores a kernel computes: the blockwise kernel skips
-    the causal blocks above the diagonal (3/8 of them at four blocks); XLA's computes them all."""
+    the causal blocks above the diagonal (3/8 of them at four blocks), splash the blocks of 128
+    to 512 above it; XLA's computes them all."""
     if implementation == "auto":
-        implementation = "blockwise" if jax.default_backend() == "cpu" else "xla"
+        implementation = {"native": "blockwise", "pallas": "splash"}.get(kernels.chosen().name, "xla")
+    if implementation == "splash" and causal:
+        block = kernels.splash_block(length)
+        blocks = -(-length // block)
+        return (blocks * (blocks + 1) / 2) * block**2 / length**2
     if implementation != "blockwise":
         return 1.0
     keys = {start: stop if causal else length for start, stop in _blocks(length, causal)}
@@ -215,12 +226,13 @@ def cached_attention(q, k, v, cache: KeyValues, lengths, window: int | None = No
     hold nothing any row can see, and a branch of the program (`jax.lax.switch`) attends over
     the leading ones alone. (Sixteen rows of SmolLM2 at 512 slots read 377 MB of float32 cache a
     step; their requests, a few dozen to a few hundred tokens long, seldom fill half of it.)
-    On the CPU, one query a row (a decoding step) goes through our kernel instead
-    (`core.model.native.cached_rows`), which reads each row's own slots alone.
+    With our kernels (the seam's "native", on the CPU), one query a row (a decoding step) goes
+    through our kernel instead (`core.model.kernels.cached_rows`), which reads each row's own
+    slots alone.
     """
-    if q.shape[1] == 1 and cache.keys.dtype in (jnp.float32, jnp.bfloat16) and native.available():
+    if kernels.cached_rows_here(q, cache.keys.dtype):
         first = 0 if cache.first is None else cache.first
-        y = native.cached_rows(q[:, 0], k[:, 0], v[:, 0], cache.keys, cache.values, first, lengths, window)
+        y = kernels.cached_rows(q[:, 0], k[:, 0], v[:, 0], cache.keys, cache.values, first, lengths, window)
         return y[:, None].astype(q.dtype)
     S = cache.keys.shape[2]
     halves = [S // 2**i for i in range(SPAN_HALVINGS, 0, -1) if S % 2**i == 0 and S // 2**i >= SPAN_MIN]

@@ -5,11 +5,11 @@ llama.cpp's Q4_1, which llama-server serves SmolLM2 in), two to a byte.
 A decoding step reads every weight once, and its time follows those bytes: SmolLM2's linear
 layers read 106 MB a token in int8, 66 MB in four bits (0.625 bytes a weight with the group's
 scale and offset; 80 MB with float32 ones). XLA has no product that reads four-bit weights in
-place, so the few rows of a decoding step go through `core.model.native` (our kernel: one to
-three rows summed in integers, the activations in two int8 parts a group; blocks of four rows
-with the weights widened to float32 in registers); more rows (a prompt), or
-a machine where that kernel cannot be built, dequantize the matrix to bfloat16 and multiply
-through XLA. The token table stays int8 (`core.model.quantized`), as the GGUF's is Q8_0. A scale
+place, so the few rows of a decoding step go through our CPU kernel (the seam's
+`core.model.kernels.int4_rows`: one to three rows summed in integers, the activations in two
+int8 parts a group; blocks of four rows with the weights widened to float32 in registers); more
+rows (a prompt) dequantize the matrix to bfloat16 and multiply through XLA. Where our kernel does
+not run the seam refuses int4 weights (`core.model.kernels.check_weights`). The token table stays int8 (`core.model.quantized`), as the GGUF's is Q8_0. A scale
 per 32 inputs follows the weights closer than int8's one per output: SmolLM2's logits move less
 than with int8 (core/README.md).
 """
@@ -21,13 +21,11 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from core.model import native
+from core.model import kernels
 
 GROUP = 32
 _LEVELS = 15.0
 _FLOAT16_MAX = float(jnp.finfo(jnp.float16).max)
-# Products of fewer rows go through `core.model.native`.
-NATIVE_ROWS = 64
 
 
 @jax.tree_util.register_dataclass
@@ -100,13 +98,13 @@ def quantize(kernel: jax.Array) -> Int4:
 
 
 def product(x: jax.Array, weight: Int4) -> jax.Array:
-    """x [..., I] @ the kernel -> [..., O] in x's dtype: fewer than `NATIVE_ROWS` rows through our
-    kernel (`core.model.native.int4_rows`), more (or without it) through the matrix dequantized to
+    """x [..., I] @ the kernel -> [..., O] in x's dtype: a few rows through our kernel where the
+    seam runs it (`core.model.kernels.int4_rows_here`), more through the matrix dequantized to
     bfloat16."""
     lead = x.shape[:-1]
     rows = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
-    if rows.shape[0] < NATIVE_ROWS and native.available():
-        y = native.int4_rows(rows, weight.values, weight.scales, weight.offsets)
+    if kernels.int4_rows_here(rows.shape[0]):
+        y = kernels.int4_rows(rows, weight.values, weight.scales, weight.offsets)
     else:
         matrix = weight.rows().astype(jnp.bfloat16)
         y = jax.lax.dot_general(

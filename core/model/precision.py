@@ -4,11 +4,10 @@
 in where it is narrower than their operands (`train.matmul_dtype`; "auto" is `fastest_products`);
 `narrower` reads it;
 `product`, `einsum_product` and `matmul` multiply in it with float32 sums (a layer's bfloat16
-products on AMX's tiles where the CPU has them, `core.model.native_products`); `transposed` lays an
+products on AMX's tiles where the seam chose them, `core.model.kernels`); `transposed` lays an
 operand out so that XLA:CPU multiplies it in that dtype; `narrowed` gives decoding weights in a
 narrower dtype. The model's layers (`core.model.transformer`, `core.model.attention`) and the
-training losses import it; it imports `core.model.quantized` and `core.model.native_products`
-alone of the core.
+training losses import it; it imports `core.model.quantized` and the seam alone of the core.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from core.model import native_products, quantized
+from core.model import kernels, quantized
 
 
 def product(a: jax.Array, b: jax.Array, dtype, a_transposed: bool = False, b_transposed: bool = False) -> jax.Array:
@@ -32,26 +31,25 @@ def product(a: jax.Array, b: jax.Array, dtype, a_transposed: bool = False, b_tra
     `a_transposed`: a is a matrix stored [I, M], multiplied as its transpose (a weight's gradient,
     x^T g); `b_transposed`: b is stored [O, I] (an input's gradient, g W^T).
 
-    A bfloat16 product of a layer's size on a CPU with AMX goes to a kernel of ours
-    (`core.model.native_products`), which reads either operand as stored. Elsewhere,
-    on XLA:CPU, bfloat16 products with a float32 result run through YNNPACK at 1.5-2.8x the speed
-    of float32 ones (SmolLM2's layer shapes at 2 to 2,048 rows), while a bfloat16 result, or
-    weights converted up to float32 before a float32 product, run 5-10x slower. With a single row
-    XLA takes yet another path, 8x slower, so one row is multiplied as two.
+    A bfloat16 product of a layer's size goes to AMX's tiles where the seam says so
+    (`core.model.kernels.tiled`), which read either operand as stored. On XLA:CPU, bfloat16
+    products with a float32 result run through YNNPACK, while a bfloat16 result, or weights
+    converted up to float32 before a float32 product, run several times slower; with a single
+    row XLA:CPU takes a slow path, so one row is multiplied as two.
     """
     narrow = jnp.dtype(dtype).itemsize < 4
     rows, depth = a.shape[::-1] if a_transposed else (math.prod(a.shape[:-1]), a.shape[-1])
     columns = b.shape[0] if b_transposed else b.shape[1]
-    if native_products.tiled(dtype, rows, depth, columns):
+    if kernels.tiled(dtype, rows, depth, columns):
         flat = a if a_transposed else a.reshape(rows, depth)
-        result = native_products.multiply(flat, b, columns, a_transposed, b_transposed)
+        result = kernels.tile_multiply(flat, b, columns, a_transposed, b_transposed)
         return result if a_transposed else result.reshape(*a.shape[:-1], columns)
     a = transposed(a, dtype) if a_transposed else a
     b = b.T if b_transposed else b
     if not narrow:
         return a @ b
     a, b = a.astype(dtype), b.astype(dtype)
-    if rows > 1:
+    if rows > 1 or not kernels.cpu_layouts():
         return jnp.matmul(a, b, preferred_element_type=jnp.float32)
     padded = jnp.zeros((2, a.shape[-1]), dtype).at[0].set(a.reshape(-1))
     return jnp.matmul(padded, b, preferred_element_type=jnp.float32)[0].reshape(*a.shape[:-1], b.shape[-1])
@@ -62,42 +60,21 @@ def transposed(a: jax.Array, dtype, axes: tuple[int, ...] | None = None) -> jax.
 
     In a narrower float on XLA:CPU, the transpose is copied (in `dtype`) so that its rows lie in
     order in memory. XLA runs a bfloat16 product through YNNPACK only when its operands are laid
-    out so; else it converts both to float32 and multiplies there, 3 to 3.5 times slower at
-    SmolLM2's shapes (a weight gradient, x^T g summed over tokens: 1,000-1,500 against some
-    240 GFLOP/s). A plain transpose XLA folds into the product's dimensions or into a layout, so
-    the copy goes through a barrier, flattened: a flat array has one layout. Other backends read
-    a transposed operand as it stands.
+    out so; else it converts both to float32 and multiplies there, about 3 times slower. A plain
+    transpose XLA folds into the product's dimensions or into a layout, so the copy goes through
+    a barrier, flattened: a flat array has one layout. Other backends read a transposed operand
+    as it stands.
     """
-    if jnp.dtype(dtype).itemsize >= 4 or jax.default_backend() != "cpu":
+    if jnp.dtype(dtype).itemsize >= 4 or not kernels.cpu_layouts():
         return a.transpose(axes)
     swapped = a.astype(dtype).transpose(axes)
     return jax.lax.optimization_barrier(swapped.reshape(-1)).reshape(swapped.shape)
 
 
-def fastest_products() -> str:
-    """The dtype of `train.matmul_dtype=auto`: "bfloat16" where the backend multiplies bfloat16
-    in hardware (GPUs, TPUs; CPUs with AMX or AVX-512 BF16, which YNNPACK uses), "float32" where
-    it would emulate it. On an AVX2 CPU (AMD Zen 3) XLA's bfloat16 products convert to float32
-    on the way: SmolLM2's fine-tuning step ran at 102 tokens/s with them against 152 in float32,
-    where a Sapphire Rapids CPU's AMX units ran 341 against 195."""
-    if jax.default_backend() != "cpu":
-        return "bfloat16"
-    return "bfloat16" if _cpu_flags() & {"amx_bf16", "avx512_bf16"} else "float32"
-
-
 def chosen_products(dtype: str) -> str:
-    """`train.matmul_dtype` as products run in: "auto" resolved here, the others as they are."""
-    return fastest_products() if dtype == "auto" else dtype
-
-
-@functools.cache
-def _cpu_flags() -> set[str]:
-    """The CPU's feature flags, as Linux lists them (none elsewhere: float32, the safe choice)."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            return next((set(line.split(":", 1)[1].split()) for line in cpuinfo if line.startswith("flags")), set())
-    except OSError:
-        return set()
+    """`train.matmul_dtype` as products run in: "auto" resolved by the seam
+    (`core.model.kernels.fastest_products`), the others as they are."""
+    return kernels.fastest_products() if dtype == "auto" else dtype
 
 
 # The dtype that products run in where it is narrower than their operands (`products_in`).
@@ -110,7 +87,7 @@ def products_in(dtype):
     and the output layer's in `core.training.losses`; not a classifier head's small ones) run in
     `dtype` where that is narrower than their operands: "bfloat16" gives float32 training bfloat16
     products with float32 sums and results (mixed precision; `train.matmul_dtype`); "auto" the
-    faster of the two here (`fastest_products`). Read when a function is traced, as
+    faster of the two here (`core.model.kernels.fastest_products`). Read when a function is traced, as
     `jax.default_matmul_precision` is: enter it inside the jitted step."""
     token = _PRODUCTS.set(chosen_products(dtype))
     try:
@@ -167,15 +144,15 @@ _matmul.defvjp(_matmul_forward, _matmul_backward)
 def einsum_product(spec: str, a, b):
     """jnp.einsum(spec, a, b) with float32 results, multiplied in the narrower dtype of the
     operands and of `core.model.precision.products_in`. A stack of matrix products (the
-    blockwise attention's) goes to a kernel of ours where `core.model.native_products` says so."""
+    blockwise attention's) goes to AMX's tiles where the seam says so."""
     dtype = narrower(a.dtype, b.dtype)
-    layout = native_products.stacked(spec)
+    layout = kernels.stacked(spec)
     if layout is not None and a.shape[:-2] == b.shape[:-2]:
         a_transposed, b_transposed = layout
         rows, depth = a.shape[-2:][::-1] if a_transposed else a.shape[-2:]
         columns = b.shape[-2] if b_transposed else b.shape[-1]
-        if native_products.tiled(dtype, rows, depth, columns):
-            return native_products.multiply(a, b, columns, a_transposed, b_transposed)
+        if kernels.tiled(dtype, rows, depth, columns):
+            return kernels.tile_multiply(a, b, columns, a_transposed, b_transposed)
     return jnp.einsum(spec, a.astype(dtype), b.astype(dtype), preferred_element_type=jnp.float32)
 
 
@@ -192,6 +169,7 @@ def narrowed(params: Any, dtype: str) -> Any:
     if dtype == "float32":
         return params
     if dtype in ("int8", "int4"):
+        kernels.check_weights(dtype)
         is_variable = lambda v: isinstance(v, nnx.Variable)  # noqa: E731
         if not any(isinstance(v, quantized.LinearKernel) for v in jax.tree.leaves(params, is_leaf=is_variable)):
             raise ValueError(

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from core.config import ModelConfig
+from core.model import kernels
 from core.model.cache import Cache, KeyValues, Memory
 from core.model.layers import MLP, Attention, CrossAttention, Norm, dropout, make_norm, sinusoids
 
@@ -208,20 +209,60 @@ class Transformer(nnx.Module):
         if self.embedding_norm is not None:
             x = self.embedding_norm(x)
         x = dropout(x, self.config.dropout, dropout_key)
-        layers = []
-        for i, block in enumerate(self.blocks):
-            if caches is None:
+        layers = None
+        if caches is not None:
+            x, layers = self._decoding(x, mask, positions, caches, prefill, memory)
+        elif kernels.chosen().scan_layers and len(self.blocks) > 1:
+            x = self._scanned(x, mask, positions, dropout_key, memory, memory_mask, segments)
+        else:
+            for i, block in enumerate(self.blocks):
                 key = None if dropout_key is None else jax.random.fold_in(dropout_key, i + 1)
                 x, _ = self.apply_block(block, x, mask, positions, key, memory, memory_mask, None, False, segments)
-            else:
-                # No backward pass when decoding, so nothing to rematerialize.
-                layer_memory = None if memory is None else memory.layers[i]
-                mask_memory = None if memory is None else memory.mask
-                x, layer = block(x, mask, positions, None, layer_memory, mask_memory, caches[i], prefill)
-                layers.append(layer)
         if self.final_norm is not None:
             x = self.final_norm(x)
-        return x, None if caches is None else tuple(layers)
+        return x, layers
+
+    def _decoding(self, x, mask, positions, caches, prefill, memory):
+        """The blocks one after another over their caches -> (x, the caches after). No backward
+        pass when decoding, so nothing to rematerialize."""
+        layers = []
+        for i, block in enumerate(self.blocks):
+            layer_memory = None if memory is None else memory.layers[i]
+            mask_memory = None if memory is None else memory.mask
+            x, layer = block(x, mask, positions, None, layer_memory, mask_memory, caches[i], prefill)
+            layers.append(layer)
+        return x, tuple(layers)
+
+    def _scanned(self, x, mask, positions, dropout_key, memory, memory_mask, segments):
+        """The blocks as `jax.lax.scan` over groups of `period` blocks: one group is compiled
+        whatever the depth. Each position of the group has its blocks' parameters stacked (a copy
+        a step, in the parameters' dtype) and the same structure (Gemma 3's five sliding layers
+        and one global make a group of six); block i draws the dropout key of the unrolled
+        loop, so both give the same results."""
+        period = self.period()
+        graphdefs, states = zip(*(nnx.split(block) for block in self.blocks))
+        stacked = [jax.tree.map(lambda *layers: jnp.stack(layers), *states[j::period]) for j in range(period)]
+
+        def group(x, inputs):
+            parameters, first = inputs
+            for j in range(period):
+                block = nnx.merge(graphdefs[j], parameters[j])
+                key = None if dropout_key is None else jax.random.fold_in(dropout_key, first + j + 1)
+                x, _ = self.apply_block(block, x, mask, positions, key, memory, memory_mask, None, False, segments)
+            return x, None
+
+        return jax.lax.scan(group, x, (stacked, jnp.arange(0, len(self.blocks), period)))[0]
+
+    def period(self) -> int:
+        """The fewest blocks after which the stack's structure repeats (1 where every block is
+        alike; the whole depth where nothing repeats)."""
+        graphdefs = [nnx.split(block)[0] for block in self.blocks]
+        depth = len(graphdefs)
+        return next(
+            p
+            for p in range(1, depth + 1)
+            if depth % p == 0 and all(g == graphdefs[i % p] for i, g in enumerate(graphdefs))
+        )
 
 
 class Model(nnx.Module):

@@ -21,17 +21,14 @@ pages (2 MB) where the kernel grants them on request (`/sys/kernel/mm/transparen
 at "madvise", the common default): glibc does so with the tunable `glibc.malloc.hugetlb=1`, read
 only when a process starts, so `tune_process` restarts the `apps` program with it (before any
 import of JAX). A step's arena then costs 512 times fewer faults and its big arrays fewer TLB
-misses: SmolLM2's fine-tuning step with bfloat16 products on a 2-core Sapphire Rapids ran at 417
-tokens/s, against 330 with glibc's settings and 395 with freed memory kept (six steps each, one
-sitting), and kept memory added nothing beside huge pages (412). `APPS_HUGE_PAGES=0` turns it off;
-another program sets the tunable itself (`GLIBC_TUNABLES=glibc.malloc.hugetlb=1 python ...`).
+misses (core/README.md gives the figures). `APPS_HUGE_PAGES=0` turns it off; another program sets
+the tunable itself (`GLIBC_TUNABLES=glibc.malloc.hugetlb=1 python ...`).
 
-A heap that never shrinks suits a run whose arenas are a small part of the machine. Gemma 3's
-fine-tuning presets, whose memory estimate is 6 GB, grew it past this machine's 24 GB in
-fragments (and were killed for it), where with glibc's own settings they peak at some 13 GB;
-SmolLM2's (`apps train lm --preset smollm2`, estimate 4.2 GB) to 12 GB after 2 steps, 16.7 GB
-after 8 and 18 GB over the run, where given back it peaks at 7.9 GB (then for 10% fewer tokens
-a second, 390 against 431; with huge pages, giving back costs nothing, as above).
+Both are settings for XLA:CPU, whose steps allocate on the host: a process that runs on an
+accelerator (`accelerator_present`) keeps glibc's own.
+
+A heap that never shrinks suits a run whose arenas are a small part of the machine; a large
+run's kept heap grows in fragments to several times its peak (Gemma 3's fine-tuning past 24 GB).
 `give_back_freed_memory` restores glibc's mapping and trimming for the rest of the process:
 `core.run.train` calls it when a run's estimate is over an eighth of the memory available (the
 estimates run low by up to half, and the kept heap grows to twice a run's real peak and on).
@@ -77,10 +74,21 @@ def _libc():
     return libc
 
 
+def accelerator_present(environment: Mapping[str, str] = os.environ, dev: Path = Path("/dev")) -> bool:
+    """Whether this process will run on an accelerator, told before JAX starts: the first of
+    `JAX_PLATFORMS` where it is set, else a TPU's or an NVIDIA GPU's device files."""
+    platforms = environment.get("JAX_PLATFORMS", "")
+    if platforms:
+        return platforms.split(",")[0].strip() not in ("cpu", "")
+    tpu = any(dev.glob("accel[0-9]*")) or any((dev / "vfio").glob("[0-9]*"))
+    return tpu or (dev / "nvidia0").exists()
+
+
 def keep_freed_memory() -> bool:
     """Tune glibc malloc as described above; True when the settings took effect."""
     global _kept
-    libc = None if os.environ.get("APPS_KEEP_FREED_MEMORY", "1") == "0" else _libc()
+    off = os.environ.get("APPS_KEEP_FREED_MEMORY", "1") == "0" or accelerator_present()
+    libc = None if off else _libc()
     if libc is None:
         return False
     # mallopt takes an int and glibc converts it to size_t: -1 is an unlimited trim threshold.
@@ -107,6 +115,8 @@ def tune_process() -> None:
     """What the `apps` CLI does first: restart with huge pages (only where this process is the
     `apps` program: tests that call the CLI in their own process keep theirs), then keep freed
     memory."""
+    if accelerator_present():
+        return
     if Path(sys.argv[0]).name == "apps" and _libc() is not None:
         environment = huge_pages_environment(os.environ, _transparent_huge_pages())
         if environment is not None:

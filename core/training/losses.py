@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from core.model import native_products
+from core.model import kernels
 from core.model.heads import CopyProjection, mix
 from core.model.precision import narrower, product, transposed
 
@@ -149,17 +149,15 @@ class _OutputProducts:
 
     XLA's take the weight [V, D] in the dtype of `products_in` where it is narrower, and its
     transposed copy (`core.model.precision.transposed`). With bfloat16 products on AMX's tiles
-    (`core.model.native_products`) all three go there, the weight as panels read either way: 16
-    and 23 ms at SmolLM2's 49,152 x 576, where XLA's transposed copy took 147-170 ms. That
-    fine-tuning step went from 3.22-3.45 s to 2.84-2.97 s (the weight's gradient [V, D] as it
-    lies, g read transposed, was no faster: 2.95-3.08 s)."""
+    (the seam's `core.model.kernels.tiles_take`) all three go there, the weight as panels read
+    either way, laid out once a step where XLA:CPU copies the weight transposed."""
 
     def __init__(self, hidden, weight):
         self.dtype = narrower(hidden.dtype)
         self.shape = weight.shape
-        self.tiled = native_products.takes(self.dtype)
+        self.tiled = kernels.tiles_take(self.dtype)
         if self.tiled:
-            self.panels = native_products.panels(weight, transposed=True), native_products.panels(weight)
+            self.panels = kernels.tile_panels(weight, transposed=True), kernels.tile_panels(weight)
             return
         if self.dtype.itemsize < weight.dtype.itemsize:
             weight = weight.astype(self.dtype)
@@ -167,17 +165,17 @@ class _OutputProducts:
 
     def logits(self, h):
         if self.tiled:
-            return native_products.multiply_panels(h, self.panels[0], self.shape[0])
+            return kernels.tile_multiply_panels(h, self.panels[0], self.shape[0])
         return product(h, self.weight_t, self.dtype)
 
     def grad_hidden(self, grad_logits):
         if self.tiled:
-            return native_products.multiply_panels(grad_logits, self.panels[1], self.shape[1])
+            return kernels.tile_multiply_panels(grad_logits, self.panels[1], self.shape[1])
         return product(grad_logits, self.weight, self.dtype)
 
     def grad_weight(self, h, grad_logits):
         if self.tiled:
-            return native_products.multiply(h, grad_logits, self.shape[0], True, False)
+            return kernels.tile_multiply(h, grad_logits, self.shape[0], True, False)
         return product(h, grad_logits, self.dtype, a_transposed=True)
 
 

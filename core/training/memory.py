@@ -33,6 +33,7 @@ from jax.extend.core import Literal
 from core.config import Config
 from core.errors import UserError
 from core.model import lora
+from core.model import kernels
 from core.model.precision import chosen_products, products_in
 from core.training.steps import cast_for_compute
 
@@ -122,7 +123,7 @@ def kept_for_backward(task, featurizer, config: Config, abstract: nnx.Module, sa
         return _residuals(task, config, abstract, sample, rows)
     plain_config = dataclasses.replace(config, train=dataclasses.replace(config.train, remat=False))
     plain = _residuals(task, plain_config, _abstract(task, featurizer, plain_config), sample, rows)
-    if jax.default_backend() == "cpu":
+    if kernels.chosen().platform == "cpu":
         return plain
     return _residuals(task, config, abstract, sample, rows) + plain // max(config.model.num_layers, 1)
 

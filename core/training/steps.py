@@ -27,7 +27,7 @@ from jax.sharding import Mesh
 from core import metrics as metrics_lib
 from core.checkpoints import pretrained
 from core.config import Config, TrainConfig
-from core.model import lora
+from core.model import kernels, lora
 from core.model.precision import products_in
 from core.task import Trainable
 from core.training import data as data_lib
@@ -41,7 +41,9 @@ log = logging.getLogger("apps")
 def build_model(task: Trainable, featurizer, config: Config, *, from_pretrained: bool = False) -> nnx.Module:
     """The task's model (its `model` hook). `from_pretrained` (a new run's start): the parameters
     that the checkpoint `config.model.pretrained` or the run `config.model.init_from` holds take
-    its weights; a run being loaded restores its own."""
+    its weights; a run being loaded restores its own. The run's kernels (`model.kernels`) are
+    chosen here for the process (`core.model.kernels.select`)."""
+    kernels.select(config.model.kernels)
     model = task.model(featurizer, config, nnx.Rngs(config.train.seed))
     if from_pretrained and config.model.pretrained is not None:
         log.info(pretrained.load(model, config.model.pretrained).summary())

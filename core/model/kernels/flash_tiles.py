@@ -1,11 +1,11 @@
-"""Attention of a training step on AMX's tiles (`core.model.native.flash_forward` and
-`flash_backward`, kernels/flash.h): the blockwise kernel's attention
+"""Attention of a training step on AMX's tiles (`core.model.kernels.native.flash_forward` and
+`flash_backward`, cpu/flash.h): the blockwise kernel's attention
 (`core.model.attention`), computed a block of 32 queries at a time with its scores kept in
 cache, and its backward from each query's log-sum-exp instead of the saved probabilities.
 
 `usable` says where it replaces the blockwise kernel: products in bfloat16 (`train.matmul_dtype`),
 a process of one device on a CPU with the tiles (as for the layers' products,
-`core.model.native_products`), and a head width that is a multiple of 32. The results are the
+`core.model.kernels.tiles`), and a head width that is a multiple of 32. The results are the
 blockwise kernel's to float32 rounding: the same bfloat16 operands (the scores' and the
 probabilities' products, the gradients'), float32 sums and softmax. A query that sees no key
 (a row of padding alone) gives zeros here, a uniform average there.
@@ -18,14 +18,14 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from core.model import native, native_products
-from core.model.precision import narrower
+import core.model.kernels.native as native
+import core.model.kernels.tiles as tiles
 
 
-def usable(q: jax.Array, k: jax.Array, causal: bool) -> bool:
-    """Whether `attention` runs these queries and keys [B, T, heads, H]."""
+def usable(q: jax.Array, k: jax.Array, causal: bool, dtype) -> bool:
+    """Whether `attention` runs these queries and keys [B, T, heads, H] with products in `dtype`."""
     same = not causal or q.shape[1] == k.shape[1]
-    return q.shape[-1] % 32 == 0 and same and native_products.takes(narrower(q.dtype))
+    return q.shape[-1] % 32 == 0 and same and tiles.takes(dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))

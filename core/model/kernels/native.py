@@ -1,15 +1,15 @@
-"""Kernels of our own for XLA:CPU: the C++ files of `kernels/` compiled for this machine on
+"""Kernels of our own for XLA:CPU: the C++ files of `cpu/` compiled for this machine on
 first use into one library, whose handlers are registered as XLA FFI targets (`jax.ffi`).
 
 - `int4_rows` multiplies a few float32 rows by four-bit weights stored one row per output, the
-  product of a decoding step (`core.model.int4.product`);
+  product of a decoding step (`core.model.int4.product`, through the seam `core.model.kernels`);
 - `cached_rows` attends one new query per row over its key/value cache, reading only the slots
   each row holds (`core.model.attention.cached_attention`);
 - `tile_columns` and `tile_product` multiply in bfloat16 with float32 sums on AMX tiles, the
-  large products of a training step on CPUs that have them (`core.model.native_products`;
+  large products of a training step on CPUs that have them (`core.model.kernels.tiles`;
   `tiles_ready()`);
 - `flash_forward` and `flash_backward` attend on the same tiles, the attention of a training
-  step (`core.model.flash`).
+  step (`core.model.kernels.flash_tiles`).
 
 The library is built once per source, jaxlib, compiler and CPU (`-march=native`) into the cache
 folder (~/.cache/apps/kernels), where concurrent processes each rename a whole file into place.
@@ -38,7 +38,7 @@ import numpy as np
 
 from core.paths import cache_folder
 
-KERNELS = Path(__file__).with_name("kernels")
+KERNELS = Path(__file__).with_name("cpu")
 # XLA's name: the handler
 TARGETS = {
     "apps_int4_rows": "Int4Rows",
@@ -120,7 +120,7 @@ def int4_rows(x: jax.Array, values: jax.Array, scales: jax.Array, offsets: jax.A
     `core.model.int4.Int4` holds them (values [O, I/2] uint8, two to a byte; scales and offsets
     [O, I/32] float16). Rows in blocks of four: the weights widened to float32, float32 sums; the
     one to three left: each group of 32 inputs in two int8 parts (within 1/32,258 of its largest
-    magnitude), integer sums (kernels/int4_rows.cc). Only where `available()`."""
+    magnitude), integer sums (cpu/int4_rows.cc). Only where `available()`."""
     out = jax.ShapeDtypeStruct((x.shape[0], values.shape[0]), jnp.float32)
     call = jax.ffi.ffi_call("apps_int4_rows", out, vmap_method="sequential")
     return call(x.astype(jnp.float32), values, scales.astype(jnp.float16), offsets.astype(jnp.float16))
@@ -154,7 +154,7 @@ def tile_columns(b: jax.Array, transposed: bool = False) -> jax.Array:
     """b [..., K, N] (float32 or bfloat16; each matrix stored [N, K] when `transposed`) -> its
     bfloat16 panels for `tile_product`, [..., N/32, K/2, 64] with K and N rounded up to 32: each
     panel 32 columns, each row of it a pair of b's rows side by side, as AMX's TDPBF16PS reads
-    them (kernels/bf16_tiles.cc). Only where `tiles_ready()`."""
+    them (cpu/bf16_tiles.cc). Only where `tiles_ready()`."""
     *stack, depth, columns = b.shape
     if transposed:
         depth, columns = columns, depth
@@ -184,7 +184,7 @@ def flash_forward(q, k, v, mask, query_segments, key_segments, causal: bool, win
     nonzero at real keys), segments [B, Tq] and [B, Tk] (int32) -> (out [B, Tq, N, H], lse
     [B, N, Tq]) float32: each query's softmax over the keys it sees (`causal`, within `window`),
     the scores q . k / sqrt(H) and the values' weighting in bfloat16 with float32 sums, and its
-    scores' log-sum-exp (-inf where it sees none; its output is then 0) (kernels/flash.h).
+    scores' log-sum-exp (-inf where it sees none; its output is then 0) (cpu/flash.h).
     Only where `tiles_ready()`."""
     B, T, N, H = q.shape
     out = (jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct((B, N, T), jnp.float32))

@@ -1,13 +1,8 @@
 """The training step's large bfloat16 products on AMX's tiles, a kernel of ours
-(`core.model.native.tile_product`), either operand read as stored, transposed or not.
+(`core.model.kernels.native.tile_product`), either operand read as stored, transposed or not.
 `tiled` says whether a product of a shape goes there (else XLA's), `multiply` calls it,
-`stacked` reads an einsum as a stack of matrix products. `core.model.precision` routes its
-products through here.
-
-A float32 kernel of the same plan on AVX-512's FMA units was measured and not kept: alone it
-ran SmolLM2's layer products at 300-335 GFLOP/s against XLA's 265-300, but inside the
-fine-tuning step (XLA's other operations on the second core) at about 220, as XLA's did: the
-step took 8.96-9.17 s against 8.82-9.09.
+`stacked` reads an einsum as a stack of matrix products. The seam (`core.model.kernels`) routes
+products here where it chose our kernels.
 """
 
 from __future__ import annotations
@@ -15,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from core.model import native
+import core.model.kernels.native as native
 
 
 def tiled(dtype, rows: int, depth: int, columns: int) -> bool:
