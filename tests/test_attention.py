@@ -11,9 +11,9 @@ import pytest
 
 from core.config import apply_overrides
 from core.errors import UserError
-from core.model.kernels import native
 from core.model.attention import _attend, attention, cached_attention, library_arguments, score_fraction
 from core.model.cache import KeyValues
+from core.model.kernels import native
 from tasks.nlp.sentiment import tiny
 
 

@@ -32,8 +32,7 @@ from jax.extend.core import Literal
 
 from core.config import Config
 from core.errors import UserError
-from core.model import lora
-from core.model import kernels
+from core.model import kernels, lora
 from core.model.precision import chosen_products, products_in
 from core.training.steps import cast_for_compute
 
