@@ -10,8 +10,9 @@ place, so the few rows of a decoding step go through our CPU kernel (the seam's
 int8 parts a group; blocks of four rows with the weights widened to float32 in registers); more
 rows (a prompt) dequantize the matrix to bfloat16 and multiply through XLA. Where our kernel does
 not run the seam refuses int4 weights (`core.model.kernels.check_weights`). The token table
-stays int8 (`core.model.quantized`), as the GGUF's is Q8_0. A scale per 32 inputs follows the weights closer than int8's one per output: SmolLM2's logits move less
-than with int8 (core/README.md).
+stays int8 (`core.model.quantized`), as the GGUF's is Q8_0. A scale per 32 inputs follows the
+weights closer than int8's one per output: SmolLM2's logits move less than with int8
+(core/README.md).
 """
 
 from __future__ import annotations
