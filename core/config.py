@@ -254,8 +254,9 @@ class TrainConfig:
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     # The dtype of the linear, attention and output layers' products (`core.model.precision.products_in`):
     # "bfloat16" multiplies float32 activations and weights in bfloat16 with float32 sums; "auto"
-    # does so where the hardware multiplies bfloat16 (`core.model.precision.fastest_products`).
-    matmul_dtype: Literal["float32", "bfloat16", "auto"] = "float32"
+    # does so where the hardware multiplies bfloat16 (`core.model.kernels.fastest_products`);
+    # None (the default): bfloat16 on an accelerator, float32 on a CPU.
+    matmul_dtype: Literal["float32", "bfloat16", "auto"] | None = None
     remat: bool = False
     # Devices on the `fsdp` mesh axis; parameters are sharded over it, the batch over all.
     fsdp: int = 1

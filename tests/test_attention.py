@@ -11,7 +11,7 @@ import pytest
 
 from core.config import apply_overrides
 from core.errors import UserError
-from core.model.attention import _attend, attention, cached_attention, library_arguments, score_fraction
+from core.model.attention import _attend, attention, cached_attention, library_arguments
 from core.model.cache import KeyValues
 from core.model.kernels import native
 from tasks.nlp.sentiment import tiny
@@ -131,14 +131,6 @@ def test_cudnn_needs_bfloat16_compute():
         apply_overrides(tiny(), ["model.attention=cudnn"])
     config = apply_overrides(tiny(), ["model.attention=cudnn", "train.compute_dtype=bfloat16"])
     assert config.model.attention == "cudnn"
-
-
-def test_score_fraction_counts_the_blocks_computed():
-    # T=256: four query blocks of 64 see 64, 128, 192 and 256 keys: 64 * 640 / 256^2 = 5/8.
-    assert score_fraction(256, True, "blockwise") == 0.625
-    # T=100: blocks [0, 64) and [64, 100) see 64 and 100 keys: (64*64 + 36*100) / 100^2.
-    assert score_fraction(100, True, "blockwise") == (64 * 64 + 36 * 100) / 100**2
-    assert score_fraction(256, False, "blockwise") == 1.0 and score_fraction(256, True, "xla") == 1.0
 
 
 @pytest.mark.parametrize("implementation", ["blockwise", "xla"])

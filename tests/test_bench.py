@@ -48,3 +48,10 @@ def test_the_train_step_benchmark_runs(tmp_path):
     assert result.exit_code == 0, result.output
     (figures,) = json.loads((tmp_path / "bench.json").read_text())["train"]
     assert figures["tokens_per_s"] > 0 and figures["compile_s"] > 0
+    # Model FLOPs as MaxText counts them: 6N, and the small decoder's causal attention at half
+    # (4 layers, d 256, 256 positions); MFU against the measured product and, off a CPU, the chip.
+    assert figures["flops_per_token"] == 6 * figures["params"] + 12 * 4 * 256 * 256 / 2
+    assert figures["achieved_flops"] == pytest.approx(figures["flops_per_token"] * figures["tokens_per_s"])
+    assert figures["mfu"] == pytest.approx(figures["achieved_flops"] / figures["peak_flops"])
+    assert figures["platform"] == "cpu" and figures["device_count"] == 8 and figures["mfu_chip"] is None
+    assert figures["products"] == "float32"  # a CPU's default

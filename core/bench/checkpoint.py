@@ -8,6 +8,9 @@ of 512 tokens, with float32 products and with bfloat16 ones (`train.matmul_dtype
 
 from __future__ import annotations
 
+import dataclasses
+import time
+
 import jax
 import numpy as np
 from flax import nnx
@@ -15,6 +18,7 @@ from rich.console import Console
 
 from core.bench.causal import pretrained_lm
 from core.bench.decode import NEW_TOKENS, PROMPT_TOKENS, time_generation
+from core.bench.flops import chip_peak, device_record, train_flops_per_token
 from core.bench.timing import figures, timed_steps, token_batch
 from core.errors import UserError
 from core.model.precision import narrowed
@@ -43,7 +47,13 @@ def decode(name: str, console: Console) -> list[dict]:
     results = []
     graphdef, params = nnx.split(model)
     for batch_size, dtype in PRETRAINED_DECODE:
-        result = time_generation(nnx.merge(graphdef, narrowed(params, dtype)), task.vocab_size, batch_size)
+        try:
+            weights = narrowed(params, dtype)
+        except UserError as refused:  # int4 where no int4 kernel runs
+            table.add_row(dtype, str(batch_size), "refused", "", "", "", "")
+            console.print(f"{dtype}: {refused}")
+            continue
+        result = time_generation(nnx.merge(graphdef, weights), task.vocab_size, batch_size)
         results.append({"model": name, "batch_size": batch_size, "dtype": dtype, **result})
         table.add_row(
             dtype,
@@ -58,33 +68,68 @@ def decode(name: str, console: Console) -> list[dict]:
     return results
 
 
-def finetune(name: str, steps: int, console: Console) -> list[dict]:
-    """Fine-tuning speed of the checkpoint `name` at each of `FINETUNE_RUNS`, timed over
-    `steps` steps after one that compiles, in one table."""
-    if steps < 1:
-        raise UserError(f"--steps {steps}: time at least 1 step.")
+def finetune(
+    name: str, steps: int, console: Console, rows: int = FINETUNE_BATCH, length: int = FINETUNE_LEN, remat=False
+) -> list[dict]:
+    """Fine-tuning speed of the checkpoint `name` at each of `FINETUNE_RUNS`, `rows` rows of
+    `length` tokens (`remat`: blocks recomputed in the backward pass), timed over `steps` steps
+    after one that compiles, in one table with the MFU of `core.bench.flops`."""
+    if steps < 1 or rows < 1 or length < 2:
+        raise UserError(f"--steps {steps}, --rows {rows}, --length {length}: at least 1 step, 1 row of 2 tokens.")
     table = figures(
-        title=f"{name}: a fine-tuning step (AdamW, float32 weights), {FINETUNE_BATCH} rows of {FINETUNE_LEN} tokens",
+        title=f"{name}: a fine-tuning step (AdamW, float32 weights), {rows} rows of {length} tokens"
+        + (", remat" if remat else ""),
         caption="tok/s: training tokens a second, best of the timed steps (median beside it); products: "
-        "train.matmul_dtype, bfloat16 multiplying the float32 weights and activations with float32 sums.",
-        columns=("weights trained", "products", "tok/s", "median", "ms/step", "compile s"),
+        "train.matmul_dtype, bfloat16 multiplying the float32 weights and activations with float32 sums; "
+        "MFU: model FLOPs (6N + 12LdT, causal attention at half) x tok/s over the chip's bf16 peak.",
+        columns=("weights trained", "products", "tok/s", "median", "ms/step", "compile s", "MFU"),
     )
     results = []
     # The rows divide over the devices (tests simulate 8).
-    rows = -(-FINETUNE_BATCH // jax.device_count()) * jax.device_count()
+    rows = -(-rows // jax.device_count()) * jax.device_count()
     for rank, products in FINETUNE_RUNS:
-        task = pretrained_lm(name, FINETUNE_LEN, FINETUNE_BATCH, rank, products)
-        model = build_model(task, None, task.config, from_pretrained=True)
-        compiled = make_steps(task, model, task.config, task.config.train.steps)
-        batch = token_batch(compiled.mesh, rows, FINETUNE_LEN, task.vocab_size)
-        timed = timed_steps(compiled.train_step, compiled.state, [batch], steps)
-        tokens_per_s = rows * FINETUNE_LEN / min(timed.times)
-        median = rows * FINETUNE_LEN / float(np.median(timed.times))
-        results.append(
-            {"model": name, "lora_rank": rank, "products": products, "tokens_per_s": tokens_per_s, "median": median}
-        )
+        result = _finetune_run(name, steps, rows, length, rank, products, remat)
+        results.append(result)
         label = "all" if rank == 0 else f"LoRA r{rank}"
-        row = (f"{tokens_per_s:,.0f}", f"{median:,.0f}", f"{min(timed.times) * 1e3:,.0f}", f"{timed.warm_up_s:.1f}")
-        table.add_row(label, products, *row)
+        mfu = "-" if result["mfu_chip"] is None else f"{result['mfu_chip']:.1%}"
+        speed = (f"{result['tokens_per_s']:,.0f}", f"{result['median']:,.0f}", f"{result['step_s'] * 1e3:,.0f}")
+        table.add_row(label, products, *speed, f"{result['compile_s']:.1f}", mfu)
     console.print(table)
     return results
+
+
+def _finetune_run(name: str, steps: int, rows: int, length: int, rank: int, products: str, remat: bool) -> dict:
+    """One row of `finetune`'s table: its figures and where it ran."""
+    task = pretrained_lm(name, length, rows, rank, products)
+    if remat:
+        task = dataclasses.replace(
+            task, config=dataclasses.replace(task.config, train=dataclasses.replace(task.config.train, remat=True))
+        )
+    model = build_model(task, None, task.config, from_pretrained=True)
+    compiled = make_steps(task, model, task.config, task.config.train.steps)
+    batch = token_batch(compiled.mesh, rows, length, task.vocab_size)
+    started = time.perf_counter()
+    step = compiled.train_step.compiled(compiled.state, batch)
+    compile_s = time.perf_counter() - started
+    timed = timed_steps(step, compiled.state, [batch], steps)
+    step_s = min(timed.times)
+    tokens_per_s = rows * length / step_s
+    config = task.config.model
+    params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    per_token = train_flops_per_token(params, config.num_layers, config.num_heads * config.head_dim, length, True)
+    chip = chip_peak()
+    return {
+        "model": name,
+        "lora_rank": rank,
+        "products": products,
+        "rows": rows,
+        "length": length,
+        "remat": remat,
+        "tokens_per_s": tokens_per_s,
+        "median": rows * length / float(np.median(timed.times)),
+        "step_s": step_s,
+        "compile_s": compile_s,
+        "flops_per_token": per_token,
+        "mfu_chip": None if chip is None else per_token * tokens_per_s / chip,
+        **device_record(),
+    }

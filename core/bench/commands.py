@@ -88,6 +88,9 @@ def bench_finetune(
         "smollm2-135m-instruct"
     ),
     steps: Annotated[int, typer.Option(metavar="N", help="Timed steps per run, after one that compiles.")] = 10,
+    rows: Annotated[int, typer.Option(metavar="N", help="Rows a step.")] = 4,
+    length: Annotated[int, typer.Option(metavar="T", help="Tokens a row.")] = 512,
+    remat: Annotated[bool, typer.Option("--remat", help="Recompute each block in the backward pass.")] = False,
     json_path: JsonOpt = None,
 ) -> None:
     """A pretrained decoder's fine-tuning step: all weights and LoRA.
@@ -95,7 +98,8 @@ def bench_finetune(
     Each with float32 and with bfloat16 products."""
     from core.bench import checkpoint
 
-    terminal.save_figures("finetune", checkpoint.finetune(model, steps, terminal.console()), json_path)
+    figures = checkpoint.finetune(model, steps, terminal.console(), rows, length, remat)
+    terminal.save_figures("finetune", figures, json_path)
 
 
 @app.command("serve")

@@ -1,21 +1,21 @@
 """`apps bench train`: the core's jitted train step on a GPT-style decoder, compiled ahead of
 time, warmed up, then timed over `steps` steps.
 
-Reported: tokens/s, step time, compile time and model FLOPs utilisation
+Reported: tokens/s, step time, compile time and model FLOPs utilisation, with the model FLOPs
+of `core.bench.flops` (6 N + 12 L d T per token, causal attention counted at half; N counts the
+parameters that take part in products: the tied embedding once, as the output projection, the
+learned position table, only gathered, left out):
 
-    MFU = (6 N + 12 L d T f) FLOPs/token x tokens/s / peak,
+- MFU (chip): against the chip's published bfloat16 peak (`core.bench.flops.chip_peak`; none on
+  a CPU);
+- MFU (dot): against the best that `jnp.dot` sustains here in the step's products' dtype
+  (`core.bench.timing.MatmulPeak`), measured like the step: after each timed step, products
+  run back to back for as long as that step took, and the best such stretch counts, so that
+  both best-ofs come from the same minutes and from stretches of the same length (a shared
+  CPU's speed drifts by a third from one minute to the next).
 
-where f is the share of the T x T attention scores that the kernel computes (the blockwise CPU
-kernel skips the causal blocks above the diagonal: f = 5/8 at four blocks; "MFU model" counts
-them all, f = 1), tokens/s comes from the best of the timed steps, N counts the parameters that take part
-in matmuls (the tied embedding once, as the output projection; the learned position table,
-which is only gathered, is left out), and `peak` is the best f32 throughput that `jnp.dot`
-reaches on 2048^3 products. The peak is measured like the step: after each timed step, dots
-run back to back for as long as that step took, and the best such stretch counts. Both
-best-ofs then come from the same minutes and from stretches of the same length: a shared CPU's
-speed drifts by a third from one minute to the next, and a 0.1 s product catches quiet moments
-that a several-second step cannot, which would skew the ratio. For comparison the table also
-gives the best single product ("burst") and the MFU against it, the stricter figure.
+Tokens/s comes from the best of the timed steps. The products run in the run's default dtype:
+bfloat16 on an accelerator, float32 on a CPU (`train.matmul_dtype`).
 """
 
 from __future__ import annotations
@@ -29,9 +29,10 @@ import numpy as np
 from rich.console import Console
 
 from core.bench.causal import BenchConfig, CausalLM, bench_config
+from core.bench.flops import chip_peak, device_record, train_flops_per_token
 from core.bench.timing import MatmulPeak, figures, timed_steps, token_batch
 from core.errors import UserError
-from core.model.attention import score_fraction
+from core.model.precision import chosen_products
 from core.training.steps import build_model, make_steps
 
 CONFIGS = {
@@ -51,31 +52,28 @@ def run_config(bench: BenchConfig, steps: int) -> dict[str, float]:
     started = time.perf_counter()
     step = compiled.train_step.compiled(compiled.state, batch)
     compile_s = time.perf_counter() - started
-    peak = MatmulPeak()
+    peak = MatmulPeak.for_products(chosen_products(config.train.matmul_dtype))
     timed = timed_steps(step, compiled.state, [batch], steps, after_each=peak.sample)
     # Best of the timed steps, like the peak: both are what the machine allows when nothing
     # else runs on it; medians wander with the other tenants of a shared CPU.
     step_s = float(np.min(timed.times))
     tokens_per_s = bench.batch_size * bench.seq_len / step_s
-    attention_flops = 12 * bench.num_layers * bench.d_model * bench.seq_len
-    model_flops_per_token = 6 * matmul_params + attention_flops
-    # What the kernel runs: the blockwise kernel skips the causal blocks above the diagonal.
-    fraction = score_fraction(bench.seq_len, True, config.model.attention)
-    flops_per_token = 6 * matmul_params + attention_flops * fraction
-    achieved = flops_per_token * tokens_per_s
+    per_token = train_flops_per_token(matmul_params, bench.num_layers, bench.d_model, bench.seq_len, causal=True)
+    achieved = per_token * tokens_per_s
+    chip = chip_peak()
     return {
         "tokens_per_s": tokens_per_s,
         "step_s": step_s,
         "compile_s": compile_s,
-        "flops_per_token": flops_per_token,
-        "model_flops_per_token": model_flops_per_token,
+        "flops_per_token": per_token,
         "achieved_flops": achieved,
         "params": matmul_params,
+        "products": peak.dtype,
         "peak_flops": peak.best,
         "mfu": achieved / peak.best,
-        "mfu_model": model_flops_per_token * tokens_per_s / peak.best,
+        "chip_peak_flops": chip,
+        "mfu_chip": None if chip is None else achieved / chip,
         "burst_flops": peak.burst,
-        "mfu_burst": achieved / peak.burst,
     }
 
 
@@ -88,30 +86,28 @@ def train(names: Sequence[str], steps: int, console: Console) -> list[dict]:
     if steps < 1:
         raise UserError(f"--steps {steps}: time at least 1 step.")
     table = figures(
-        title=f"core train step (f32, AdamW) on {jax.devices()[0].device_kind} x{jax.device_count()}",
-        caption="GFLOP/s: the FLOPs executed (6N + 12LdT x the share of attention scores the kernel computes). "
-        "dot: jnp.dot 2048^3 f32 GFLOP/s, sustained over step-long stretches between the steps; "
-        "burst: its best single product. MFU = GFLOP/s / dot; MFU model: 6N + 12LdT in full / dot; "
-        "MFU/b = GFLOP/s / burst. Compile in s.",
-        columns=("config", "params", "tok/s", "ms/step", "compile", "GFLOP/s", "dot", "MFU", "MFU model")
-        + ("burst", "MFU/b"),
+        title=f"core train step (AdamW) on {jax.devices()[0].device_kind} x{jax.device_count()}",
+        caption="TFLOP/s: model FLOPs (6N + 12LdT, causal attention at half) x tok/s. dot: jnp.dot 2048^3 (CPU) "
+        "or 8192^3 (accelerators) in the products' dtype, sustained over step-long stretches between the steps. "
+        "MFU dot = TFLOP/s / dot; MFU chip = TFLOP/s / the chip's published bf16 peak. Compile in s.",
+        columns=("config", "params", "products", "tok/s", "ms/step", "compile", "TFLOP/s", "dot", "MFU dot")
+        + ("MFU chip",),
     )
     results = []
     for name in names or list(CONFIGS):
         result = run_config(CONFIGS[name], steps)
-        results.append({"config": name, **dataclasses.asdict(CONFIGS[name]), **result})
+        results.append({"config": name, **dataclasses.asdict(CONFIGS[name]), **result, **device_record()})
         table.add_row(
             name,
             f"{result['params'] / 1e6:.1f}M",
+            result["products"],
             f"{result['tokens_per_s']:,.0f}",
             f"{result['step_s'] * 1e3:.0f}",
             f"{result['compile_s']:.1f}",
-            f"{result['achieved_flops'] / 1e9:.1f}",
-            f"{result['peak_flops'] / 1e9:.1f}",
+            f"{result['achieved_flops'] / 1e12:.2f}",
+            f"{result['peak_flops'] / 1e12:.2f}",
             f"{result['mfu']:.1%}",
-            f"{result['mfu_model']:.1%}",
-            f"{result['burst_flops'] / 1e9:.1f}",
-            f"{result['mfu_burst']:.1%}",
+            "-" if result["mfu_chip"] is None else f"{result['mfu_chip']:.1%}",
         )
     console.print(table)
     return results

@@ -95,22 +95,6 @@ def library_arguments(mask, causal: bool, implementation: str, cross: bool = Fal
     return {**arguments, "mask": mask[:, None, None, :]}
 
 
-def score_fraction(length: int, causal: bool, implementation: str) -> float:
-    """The fraction of the T x T attention scores a kernel computes: the blockwise kernel skips
-    the causal blocks above the diagonal (3/8 of them at four blocks), splash the blocks of 128
-    to 512 above it; XLA's computes them all."""
-    if implementation == "auto":
-        implementation = {"native": "blockwise", "pallas": "splash"}.get(kernels.chosen().name, "xla")
-    if implementation == "splash" and causal:
-        block = kernels.splash_block(length)
-        blocks = -(-length // block)
-        return (blocks * (blocks + 1) / 2) * block**2 / length**2
-    if implementation != "blockwise":
-        return 1.0
-    keys = {start: stop if causal else length for start, stop in _blocks(length, causal)}
-    return sum((stop - start) * keys[start] for start, stop in _blocks(length, causal)) / length**2
-
-
 def _blocks(length: int, causal: bool) -> list[tuple[int, int]]:
     """Query blocks [start, stop); one block unless causal attention can skip keys."""
     if not causal:

@@ -71,9 +71,11 @@ def transposed(a: jax.Array, dtype, axes: tuple[int, ...] | None = None) -> jax.
     return jax.lax.optimization_barrier(swapped.reshape(-1)).reshape(swapped.shape)
 
 
-def chosen_products(dtype: str) -> str:
-    """`train.matmul_dtype` as products run in: "auto" resolved by the seam
-    (`core.model.kernels.fastest_products`), the others as they are."""
+def chosen_products(dtype: str | None) -> str:
+    """`train.matmul_dtype` as products run in: "auto" and None resolved by the seam
+    (`core.model.kernels.fastest_products`, `default_products`), the others as they are."""
+    if dtype is None:
+        return kernels.default_products()
     return kernels.fastest_products() if dtype == "auto" else dtype
 
 

@@ -154,6 +154,12 @@ def fastest_products() -> str:
     return "bfloat16" if _cpu_flags() & {"amx_bf16", "avx512_bf16"} else "float32"
 
 
+def default_products() -> str:
+    """The products of `train.matmul_dtype`'s default: "bfloat16" on an accelerator, whose
+    matrix units run it (float32 master weights and sums stay), "float32" on a CPU."""
+    return "float32" if chosen().platform == "cpu" else "bfloat16"
+
+
 @functools.cache
 def _cpu_flags() -> set[str]:
     """The CPU's feature flags, as Linux lists them (none elsewhere: float32, the safe choice)."""
@@ -195,11 +201,6 @@ def tiles_attention(q, k, v, mask, causal, window, segments):
 def splash_attention(q, k, v, mask, *, causal: bool, dtype, window=None, segments=None, cross: bool = False):
     """Attention through Pallas's splash kernel (`attention_kernel` "splash")."""
     return splash.attention(q, k, v, mask, causal, dtype, window, segments, cross, chosen().interpret)
-
-
-def splash_block(length: int) -> int:
-    """The block of queries splash attention takes at `length` positions (padded to whole blocks)."""
-    return splash.block(splash.whole(length))
 
 
 def cached_rows_here(q: jax.Array, cache_dtype) -> bool:
