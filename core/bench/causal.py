@@ -55,7 +55,7 @@ class CausalLM:
         return batch
 
 
-def bench_config(bench: BenchConfig, steps: int) -> Config:
+def bench_config(bench: BenchConfig, steps: int, kernels: str = "auto") -> Config:
     """The causal decoder of `bench` (learned positions, no dropout) in a run config."""
     return Config(
         task="bench",
@@ -68,13 +68,16 @@ def bench_config(bench: BenchConfig, steps: int) -> Config:
             max_len=bench.seq_len,
             dropout=0.0,
             causal=True,
+            kernels=kernels,
         ),
         optim=OptimConfig(warmup_steps=1),
         train=TrainConfig(batch_size=bench.batch_size, steps=steps + 2),
     )
 
 
-def pretrained_lm(name: str, max_len: int, batch_size: int, lora_rank: int = 0, matmul_dtype: str = "float32"):
+def pretrained_lm(
+    name: str, max_len: int, batch_size: int, lora_rank: int = 0, matmul_dtype: str = "float32", kernels: str = "auto"
+):
     """The pretrained decoder `name` (a shipped name or a file) as a `CausalLM`: its architecture
     with rows of `max_len`, LoRA adapters of `lora_rank` (0: none), products in `matmul_dtype`."""
     from core.checkpoints import pretrained
@@ -82,7 +85,7 @@ def pretrained_lm(name: str, max_len: int, batch_size: int, lora_rank: int = 0, 
     config = Config(
         task="bench",
         preset="bench",
-        model=dataclasses.replace(pretrained.architecture(name, max_len=max_len), lora_rank=lora_rank),
+        model=dataclasses.replace(pretrained.architecture(name, max_len=max_len), lora_rank=lora_rank, kernels=kernels),
         optim=OptimConfig(warmup_steps=1),
         train=TrainConfig(batch_size=batch_size, steps=100, matmul_dtype=matmul_dtype),
     )

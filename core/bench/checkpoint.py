@@ -69,7 +69,13 @@ def decode(name: str, console: Console) -> list[dict]:
 
 
 def finetune(
-    name: str, steps: int, console: Console, rows: int = FINETUNE_BATCH, length: int = FINETUNE_LEN, remat=False
+    name: str,
+    steps: int,
+    console: Console,
+    rows: int = FINETUNE_BATCH,
+    length: int = FINETUNE_LEN,
+    remat: bool = False,
+    kernels: str = "auto",
 ) -> list[dict]:
     """Fine-tuning speed of the checkpoint `name` at each of `FINETUNE_RUNS`, `rows` rows of
     `length` tokens (`remat`: blocks recomputed in the backward pass), timed over `steps` steps
@@ -88,7 +94,7 @@ def finetune(
     # The rows divide over the devices (tests simulate 8).
     rows = -(-rows // jax.device_count()) * jax.device_count()
     for rank, products in FINETUNE_RUNS:
-        result = _finetune_run(name, steps, rows, length, rank, products, remat)
+        result = _finetune_run(name, steps, rows, length, rank, products, remat, kernels)
         results.append(result)
         label = "all" if rank == 0 else f"LoRA r{rank}"
         mfu = "-" if result["mfu_chip"] is None else f"{result['mfu_chip']:.1%}"
@@ -98,9 +104,9 @@ def finetune(
     return results
 
 
-def _finetune_run(name: str, steps: int, rows: int, length: int, rank: int, products: str, remat: bool) -> dict:
+def _finetune_run(name, steps: int, rows: int, length: int, rank: int, products: str, remat: bool, kernels) -> dict:
     """One row of `finetune`'s table: its figures and where it ran."""
-    task = pretrained_lm(name, length, rows, rank, products)
+    task = pretrained_lm(name, length, rows, rank, products, kernels)
     if remat:
         task = dataclasses.replace(
             task, config=dataclasses.replace(task.config, train=dataclasses.replace(task.config.train, remat=True))
@@ -125,6 +131,7 @@ def _finetune_run(name: str, steps: int, rows: int, length: int, rank: int, prod
         "rows": rows,
         "length": length,
         "remat": remat,
+        "kernels": kernels,
         "tokens_per_s": tokens_per_s,
         "median": rows * length / float(np.median(timed.times)),
         "step_s": step_s,

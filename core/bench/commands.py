@@ -24,6 +24,9 @@ app = typer.Typer(
     no_args_is_help=True,
 )
 
+KernelsOpt = Annotated[
+    str, typer.Option(metavar="NAME", help="model.kernels: auto, xla, native or pallas (core/model/kernels).")
+]
 JsonOpt = Annotated[Optional[Path], typer.Option("--json", metavar="FILE", help="Also write the figures here.")]
 ModelOpt = Annotated[
     Optional[str], typer.Option(metavar="NAME", help="A pretrained decoder: a shipped name or a .gguf file.")
@@ -48,12 +51,13 @@ def bench_train(
         Optional[list[str]], typer.Argument(metavar="CONFIG", help="small, big (default: both).")
     ] = None,
     steps: Annotated[int, typer.Option(metavar="N", help="Timed steps per config, after warm-up.")] = 10,
+    kernels: KernelsOpt = "auto",
     json_path: JsonOpt = None,
 ) -> None:
     """The core's train step on GPT-style decoders: tokens/s, MFU."""
     from core.bench import train_step
 
-    terminal.save_figures("train", train_step.train(configs or [], steps, terminal.console()), json_path)
+    terminal.save_figures("train", train_step.train(configs or [], steps, terminal.console(), kernels), json_path)
 
 
 @app.command("decode")
@@ -91,6 +95,7 @@ def bench_finetune(
     rows: Annotated[int, typer.Option(metavar="N", help="Rows a step.")] = 4,
     length: Annotated[int, typer.Option(metavar="T", help="Tokens a row.")] = 512,
     remat: Annotated[bool, typer.Option("--remat", help="Recompute each block in the backward pass.")] = False,
+    kernels: KernelsOpt = "auto",
     json_path: JsonOpt = None,
 ) -> None:
     """A pretrained decoder's fine-tuning step: all weights and LoRA.
@@ -98,7 +103,7 @@ def bench_finetune(
     Each with float32 and with bfloat16 products."""
     from core.bench import checkpoint
 
-    figures = checkpoint.finetune(model, steps, terminal.console(), rows, length, remat)
+    figures = checkpoint.finetune(model, steps, terminal.console(), rows, length, remat, kernels)
     terminal.save_figures("finetune", figures, json_path)
 
 

@@ -41,9 +41,9 @@ CONFIGS = {
 }
 
 
-def run_config(bench: BenchConfig, steps: int) -> dict[str, float]:
-    """The figures of the module's text for one decoder shape."""
-    config = bench_config(bench, steps)
+def run_config(bench: BenchConfig, steps: int, kernels: str = "auto") -> dict[str, float]:
+    """The figures of the module's text for one decoder shape, with `kernels` (`model.kernels`)."""
+    config = bench_config(bench, steps, kernels)
     task = CausalLM(config=config, vocab_size=bench.vocab_size)
     compiled = make_steps(task, build_model(task, None, config), config, config.train.steps)
     params = compiled.state["params"]
@@ -77,7 +77,7 @@ def run_config(bench: BenchConfig, steps: int) -> dict[str, float]:
     }
 
 
-def train(names: Sequence[str], steps: int, console: Console) -> list[dict]:
+def train(names: Sequence[str], steps: int, console: Console, kernels: str = "auto") -> list[dict]:
     """The train step of each named config (`CONFIGS`; all of them if none is named), timed
     over `steps` steps, in one table."""
     unknown = [name for name in names if name not in CONFIGS]
@@ -95,8 +95,9 @@ def train(names: Sequence[str], steps: int, console: Console) -> list[dict]:
     )
     results = []
     for name in names or list(CONFIGS):
-        result = run_config(CONFIGS[name], steps)
-        results.append({"config": name, **dataclasses.asdict(CONFIGS[name]), **result, **device_record()})
+        result = run_config(CONFIGS[name], steps, kernels)
+        record = {"config": name, **dataclasses.asdict(CONFIGS[name]), **result, "kernels": kernels, **device_record()}
+        results.append(record)
         table.add_row(
             name,
             f"{result['params'] / 1e6:.1f}M",

@@ -67,9 +67,11 @@ def _kernel(queries: int, keys: int, heads: int, causal: bool, window: int | Non
         block_kv_dkv_compute=block_kv,
         use_fused_bwd_kernel=True,
     )
-    return splash.make_splash_mha(
-        splash.MultiHeadMask([mask] * heads), head_shards=1, q_seq_shards=1, block_sizes=sizes, interpret=interpret
-    )
+    # Made outside any trace: the kernel's mask tables are constants kept across programs.
+    with jax.ensure_compile_time_eval():
+        return splash.make_splash_mha(
+            splash.MultiHeadMask([mask] * heads), head_shards=1, q_seq_shards=1, block_sizes=sizes, interpret=interpret
+        )
 
 
 def segment_ids(mask: jax.Array, segments: jax.Array | None, length: int) -> jax.Array:
