@@ -12,7 +12,12 @@ from typer import _click as click
 from cli import app
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = sorted(p for p in ROOT.rglob("README.md") if not {".venv", ".git", "fixtures"} & set(p.parts))
+PAGES = sorted(
+    [
+        *(p for p in ROOT.rglob("README.md") if not {".venv", ".git", "fixtures"} & set(p.parts)),
+        ROOT / "core" / "TPU.md",
+    ]
+)
 
 
 def shown_commands(text: str) -> list[str]:
