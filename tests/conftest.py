@@ -66,6 +66,17 @@ def _release_compiled_programs():
     gc.collect()
 
 
+@pytest.fixture(autouse=True)
+def _kernels_chosen_per_test():
+    """Each test starts from the kernels "auto" gives (a run's `model.kernels` is chosen for the
+    whole process where its model is built: core.model.kernels.select)."""
+    from core.model import kernels
+
+    kernels._chosen = None
+    yield
+    kernels._chosen = None
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A tiny Llama GGUF with SmolLM2's layout and ChatML template (tests/tiny_gguf.py), written once a module."""

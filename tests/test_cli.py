@@ -355,3 +355,19 @@ def test_bad_data_file_is_named(tmp_path, name, content, message):
 def test_empty_predict_input(trained):
     result = apps("predict", "sentiment", "--workdir", trained, input="\n  \n")
     assert result.exit_code == 1 and "at least one non-empty text" in plain(result.output)
+
+
+def test_binary_labels_take_ratings_or_a_zero_one_column():
+    """Under the default data.labels=binary, 1-5 ratings split at 3 (dropped), and a column of
+    0/1 labels reads as negative/positive rather than as two low ratings; anything else is
+    named."""
+    from core.errors import UserError
+    from tasks.nlp.sentiment import SentimentTask, tiny
+
+    task = SentimentTask(config=tiny(), data="synthetic")
+    zero_one = task._map_labels({"text": ["a", "b", "c"], "label": ["0", "1", "1.0"]})
+    assert zero_one["label"] == ["negative", "positive", "positive"]
+    ratings = task._map_labels({"text": list("abcde"), "label": [1, 2, 3, 4, 5]})
+    assert ratings == {"text": list("abde"), "label": ["negative", "negative", "positive", "positive"]}
+    with pytest.raises(UserError, match="expects 1-5 ratings or 0/1 labels in the label column, found 7"):
+        task._map_labels({"text": ["a", "b"], "label": [1, 7]})

@@ -76,9 +76,11 @@ def test_training_lowers_the_loss(setup, dtype):
     task_type, _, train, featurizer = setup
     # No warm-up (whose first step has rate 0) and no dropout: every step learns, and the loss
     # of one batch of the synthetic training split, trained on 8 times, falls by a quarter or
-    # more for every task (a fifth is the margin asserted).
+    # more for every task (a fifth is the margin asserted). In bfloat16 the step takes the
+    # accelerator's path: XLA's kernels, the layers scanned (core/model/kernels).
     overrides = [
         f"train.compute_dtype={dtype}",
+        f"model.kernels={'xla' if dtype == 'bfloat16' else 'auto'}",
         "optim.warmup_steps=0",
         "optim.learning_rate=3e-3",
         "model.dropout=0.0",
@@ -103,7 +105,10 @@ def test_training_lowers_the_loss(setup, dtype):
 
 
 def test_forward_loss_metrics_decode_score(setup):
-    _, task, train, featurizer = setup
+    """Forward, loss, metrics, decoding and generation on the accelerator's path (XLA's kernels,
+    layers scanned); the CPU's own kernels run the same end to end through the CLI's tests."""
+    task_type, task, train, featurizer = setup
+    task = task_type(config=apply_overrides(task.config, ["model.kernels=xla"]), data="synthetic")
     model = build_model(task, featurizer, task.config)
     rows = {k: v[:8] for k, v in task.featurize_train(featurizer, train).items()}
     batch = task.augment(rows, np.random.default_rng(0), featurizer)  # a training batch, as the train step sees it

@@ -158,23 +158,26 @@ class SentimentTask(SequenceClassification):
         return text_data.split(columns, split, options.train_fraction)
 
     def _map_labels(self, columns: dict[str, list]) -> dict[str, list]:
+        """The label column under `data.labels`: binary reads 1-5 ratings (1-2 negative, 4-5
+        positive, 3 dropped) or, where every label is 0 or 1, those as negative and positive;
+        five reads 1-5 ratings as classes; raw keeps the values."""
         scheme = self.config.data.labels
         if scheme == "raw":
             return {"text": columns["text"], "label": [str(y) for y in columns["label"]]}
-        texts, labels = [], []
-        for text, rating in zip(columns["text"], columns["label"]):
-            try:
-                rating = int(float(rating))
-            except (TypeError, ValueError, OverflowError):
-                raise UserError(
-                    f"data.labels={scheme!r} expects 1-5 ratings in the label column, found {rating!r}; "
-                    "use --set data.labels=raw for named classes."
-                ) from None
-            if scheme == "five":
-                texts.append(text), labels.append(str(rating))
-            elif rating != 3:
-                texts.append(text), labels.append("positive" if rating >= 4 else "negative")
-        return {"text": texts, "label": labels}
+        ratings = [_rating(value, scheme) for value in columns["label"]]
+        if scheme == "binary" and set(ratings) <= {0, 1}:
+            return {"text": columns["text"], "label": ["positive" if r else "negative" for r in ratings]}
+        outside = next((r for r in ratings if not 1 <= r <= 5), None)
+        if outside is not None:
+            zero_one = " or 0/1 labels" if scheme == "binary" else ""
+            raise UserError(
+                f"data.labels={scheme!r} expects 1-5 ratings{zero_one} in the label column, found {outside!r}; "
+                "use --set data.labels=raw for named classes."
+            )
+        if scheme == "five":
+            return {"text": columns["text"], "label": [str(r) for r in ratings]}
+        kept = [(text, r) for text, r in zip(columns["text"], ratings) if r != 3]
+        return {"text": [t for t, _ in kept], "label": ["positive" if r >= 4 else "negative" for _, r in kept]}
 
     def protocol(self) -> dict[str, str]:
         scheme = {
@@ -238,3 +241,14 @@ class SentimentTask(SequenceClassification):
             {"text": e["text"], **row}  # whole: a table folds it, --format json keeps it
             for e, row in zip(examples, self.predicted(predictions, examples, featurizer))
         ]
+
+
+def _rating(value, scheme: str) -> int:
+    """A label column's value as a whole rating, or a UserError naming it."""
+    try:
+        return int(float(value))
+    except (TypeError, ValueError, OverflowError):
+        raise UserError(
+            f"data.labels={scheme!r} expects 1-5 ratings in the label column, found {value!r}; "
+            "use --set data.labels=raw for named classes."
+        ) from None
