@@ -342,14 +342,19 @@ def test_eval_and_predict_without_a_run(tmp_path):
         ("latin1.csv", "text,label\ngood,5\nd\xe9cevant,1\n".encode("latin-1"), "line 3: not valid UTF-8"),
         ("bad.jsonl", b'{"text": "good", "label": 5}\n{"text": oops}\n', "line 2: not valid JSON"),
         ("inf.csv", b"text,label\ngood,5\nbad,1\nodd,inf\n", "row 3: the label inf in column 'label'"),
+        ("empty.csv", b"", "is empty: no header and no rows"),
+        ("header.csv", b"text,label\n", "has a header line and no rows"),
+        ("corrupt.parquet", b"PAR1 not really a parquet file", "not a readable parquet file"),
     ],
 )
-def test_bad_data_file_is_named(tmp_path, name, content, message):
+def test_bad_data_file_is_named(tmp_path, name, content, message, caplog):
+    """Each in one paragraph that names the file, with none of `datasets`' own log lines."""
     path = tmp_path / name
     path.write_bytes(content)
     result = apps("train", "sentiment", "--data", path, "--workdir", tmp_path / "run")
     assert result.exit_code == 1 and message in plain(result.output), result.output
     assert str(path) in plain(result.output)
+    assert not [record for record in caplog.records if record.name.startswith("datasets")]
 
 
 def test_empty_predict_input(trained):

@@ -56,14 +56,42 @@ def read_file(path: Path):
     kind = FORMATS.get(path.suffix.lower())
     if kind is None:
         raise UserError(f"--data {path}: unknown format {path.suffix!r}; expected one of {', '.join(FORMATS)}.")
-    if kind != "parquet":
+    if kind == "parquet":
+        _check_parquet(path)
+    else:
         _check_text_file(path)
     options = {"delimiter": "\t"} if path.suffix.lower() == ".tsv" else {}
     datasets.disable_progress_bars()
+    quiet = logging.getLogger("datasets")
+    level, quiet.level = quiet.level, logging.CRITICAL  # its own ERROR lines, before ours says the same
     try:
-        return datasets.load_dataset(kind, data_files=str(path), split="train", **options)
-    except Exception as error:  # datasets wraps parser errors in several types
-        raise UserError(f"--data {path}: could not be read as {kind}: {error}") from None
+        table = datasets.load_dataset(kind, data_files=str(path), split="train", **options)
+    except Exception as error:  # datasets wraps parser errors in several types: say the innermost
+        raise UserError(f"--data {path}: could not be read as {kind}: {_innermost(error)}") from None
+    finally:
+        quiet.level = level
+    if len(table) == 0:
+        raise UserError(f"--data {path} has no rows.")
+    return table
+
+
+def _innermost(error: BaseException) -> str:
+    """The message of the error at the bottom of `error`'s chain of causes."""
+    while error.__cause__ is not None or error.__context__ is not None:
+        error = error.__cause__ or error.__context__
+    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+
+
+def _check_parquet(path: Path) -> None:
+    """A parquet file's footer read first, so that a file that is none says so in one line."""
+    import pyarrow.parquet as parquet
+
+    try:
+        rows = parquet.ParquetFile(path).metadata.num_rows
+    except Exception as error:  # pyarrow's ArrowInvalid, OSError for a truncated file
+        raise UserError(f"--data {path}: not a readable parquet file ({error}).") from None
+    if rows == 0:
+        raise UserError(f"--data {path} has no rows.")
 
 
 def read_text(path: Path) -> str:
@@ -83,8 +111,14 @@ def read_text(path: Path) -> str:
 
 
 def _check_text_file(path: Path) -> None:
-    """Names the first non-UTF-8 or (for JSON lines) malformed line in the error."""
+    """Names the first non-UTF-8 or (for JSON lines) malformed line in the error, and a file
+    with no rows: empty, or (CSV, TSV) a header line alone."""
     text = read_text(path)
+    lines = [line for line in text.split("\n") if line.strip()]
+    if not lines:
+        raise UserError(f"--data {path} is empty: no header and no rows.")
+    if path.suffix.lower() in (".csv", ".tsv") and len(lines) == 1:
+        raise UserError(f"--data {path} has a header line and no rows.")
     if path.suffix.lower() != ".jsonl":
         return
     for number, line in enumerate(text.split("\n"), start=1):
