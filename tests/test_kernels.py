@@ -199,3 +199,32 @@ def test_a_longer_run_compiles_no_more_programs_than_a_short_one(tmp_path):
         jax._src.monitoring.unregister_event_duration_listener(listen)
         jax.config.update("jax_enable_compilation_cache", enabled)
     assert counts[0] == counts[1] > 0
+
+
+def test_splash_over_eight_devices_trains_as_xlas_attention(monkeypatch):
+    """Within the training step's mesh of the suite's eight devices, splash (interpreted) maps
+    itself over the batch axes, each device on its own rows: the losses of XLA's attention."""
+    from itertools import islice
+
+    from core.config import apply_overrides
+    from core.training import sharding
+    from core.training.data import train_batches
+    from core.training.steps import build_model, make_steps
+    from tasks.nlp.sentiment import SentimentTask, tiny
+
+    calls = []
+    traced = kernels.splash_attention
+    monkeypatch.setattr(kernels, "splash_attention", lambda *a, **k: calls.append(1) or traced(*a, **k))
+    losses = {}
+    for name in ("pallas", "xla"):
+        config = apply_overrides(tiny(), ["model.dropout=0.0", f"model.kernels={name}"])
+        task = SentimentTask(config=config, data="synthetic")
+        examples = task.examples("train")
+        featurizer = task.fit_featurizer(examples)
+        compiled = make_steps(task, build_model(task, featurizer, config), config, 3)
+        state, losses[name] = compiled.state, []
+        for local in islice(train_batches(featurizer(examples), config.train.batch_size, 0), 3):
+            state, logs = compiled.train_step(state, sharding.global_batch(compiled.mesh, local))
+            losses[name].append(float(logs["loss"]))
+    assert jax.device_count() == 8 and calls  # splash ran, over the eight devices
+    np.testing.assert_allclose(losses["pallas"], losses["xla"], rtol=1e-5)

@@ -122,7 +122,7 @@ def make_steps(
     params, frozen = lora.split(nnx.to_pure_dict(params), config.model, type(model).transferred)
     frozen = sharding.place_params(mesh, frozen)
     forward = _forward(graphdef, train.compute_dtype)
-    eval_step = _Bound(jax.jit(_in_products(_eval_step(task, forward), train.matmul_dtype)), frozen)
+    eval_step = _Bound(jax.jit(_in_products(_eval_step(task, forward), train.matmul_dtype, mesh)), frozen)
 
     if not training:
         state = sharding.place_params(mesh, {"params": params})
@@ -133,7 +133,7 @@ def make_steps(
     state = {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
     state = sharding.place_params(mesh, state)
     state_sharding = jax.tree.map(lambda x: x.sharding, state)
-    train_step = _in_products(_train_step(task, forward, tx, train), train.matmul_dtype)
+    train_step = _in_products(_train_step(task, forward, tx, train), train.matmul_dtype, mesh)
     batch_sharding = sharding.batch_sharding(mesh)
     jitted = jax.jit(
         train_step,
@@ -154,12 +154,13 @@ def _forward(graphdef: Any, compute_dtype: str) -> Callable:
     return forward
 
 
-def _in_products(step: Callable, dtype: str) -> Callable:
-    """`step` with its products in `dtype` (`products_in`), entered where jit traces it."""
+def _in_products(step: Callable, dtype: str, mesh: Mesh) -> Callable:
+    """`step` with its products in `dtype` (`products_in`) and traced within `mesh` (kernels
+    that XLA does not partition map themselves over its batch axes), entered where jit traces it."""
 
     @functools.wraps(step)
     def in_products(*args):
-        with products_in(dtype):
+        with products_in(dtype), jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
             return step(*args)
 
     return in_products

@@ -13,8 +13,9 @@ blocks of 128 (the padding is segment 0); queries are scaled by 1/sqrt(H) before
 which does not scale them. The operands run in the products' dtype (bfloat16 under bfloat16
 products), the softmax in float32.
 
-Off the TPU it runs in Pallas's interpreter (`interpret`): the tests compare it with XLA's
-kernel on the CPU.
+Over several devices it runs in `jax.shard_map` over the mesh's batch axes, each device on its
+own rows. Off the TPU it runs in Pallas's interpreter (`interpret`): the tests compare it with
+XLA's kernel on the CPU, on one device and on eight.
 """
 
 from __future__ import annotations
@@ -31,9 +32,19 @@ MAX_BLOCK = 512
 
 def usable(q: jax.Array, k: jax.Array) -> bool:
     """Whether the kernel takes these shapes: a key head count that divides the query heads'
-    (grouped-query attention), and a process whose arrays live on one device (the kernel is
-    not partitioned across devices: over several, XLA attends)."""
-    return q.shape[2] % k.shape[2] == 0 and jax.device_count() == 1
+    (grouped-query attention), in a process of one device or within a mesh whose batch axes
+    split the rows (`batch_axes`; XLA does not partition a Pallas kernel by itself)."""
+    return q.shape[2] % k.shape[2] == 0 and (jax.device_count() == 1 or bool(batch_axes()))
+
+
+def batch_axes() -> tuple[str, ...]:
+    """The axes of the mesh being traced in (`jax.sharding.use_abstract_mesh`, which the
+    training and evaluation steps enter) that split a batch's rows: "data" and "fsdp" where
+    they hold more than one device."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return ()
+    return tuple(axis for axis in ("data", "fsdp") if axis in mesh.axis_names and mesh.shape[axis] > 1)
 
 
 def whole(length: int) -> int:
@@ -103,7 +114,10 @@ def attention(q, k, v, mask, causal: bool, dtype, window=None, segments=None, cr
     def one(q, k, v, query_ids, key_ids):
         return kernel(q, k, v, segment_ids=SegmentIds(query_ids, key_ids))
 
-    out = jax.vmap(one)(
-        heads_first(q, queries, H**-0.5), heads_first(k, keys), heads_first(v, keys), query_ids, key_ids
-    )
+    batched = jax.vmap(one)
+    axes = batch_axes()
+    if axes:  # each device attends its own rows
+        rows = jax.sharding.PartitionSpec(axes)
+        batched = jax.shard_map(batched, in_specs=(rows,) * 5, out_specs=rows, check_vma=False)
+    out = batched(heads_first(q, queries, H**-0.5), heads_first(k, keys), heads_first(v, keys), query_ids, key_ids)
     return out.transpose(0, 2, 1, 3)[:, :T].astype(v.dtype)
