@@ -638,6 +638,26 @@ def test_a_client_slow_to_send_its_head_or_body_is_cut_off_and_the_server_goes_o
     assert answer.choices[0].finish_reason == "length"
 
 
+def test_what_a_careless_client_sends_is_read_as_openai_reads_it(server):
+    """A body without a Content-Type, or with curl's default form type, is read as JSON; a
+    message's `name` is taken; a Content-Length that is no number gets an OpenAI-shaped 400."""
+    url, _ = server
+    message = {"role": "user", "name": "ann", "content": "hi"}
+    body = json.dumps({"model": "tiny.gguf", "messages": [message], "max_tokens": 2, "temperature": 0})
+    for content_type in (None, "application/x-www-form-urlencoded", "text/plain"):
+        headers = {**auth(), **({"content-type": content_type} if content_type else {})}
+        response = httpx.post(f"{url}/v1/chat/completions", content=body.encode(), headers=headers)
+        assert response.status_code == 200, (content_type, response.text)
+    address = ("127.0.0.1", int(url.rsplit(":", 1)[1]))
+    with socket.create_connection(address, timeout=20) as connection:
+        connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: ten\r\n\r\n{}")
+        status, _, answer = until_closed(connection).partition(b"\r\n\r\n")
+    assert status.startswith(b"HTTP/1.1 400") and b"application/json" in status
+    error = json.loads(answer)["error"]
+    assert error["code"] == 400 and "a Content-Length must be a number" in error["message"]
+    assert httpx.get(f"{url}/health").json()["status"] == "ok"
+
+
 def until_closed(connection: socket.socket) -> bytes:
     """What the server sent on `connection` until it closed it."""
     received = b""

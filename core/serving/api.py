@@ -54,7 +54,7 @@ async def within(awaitable, timeout: float):
     except Exception as error:
         log.exception("A request failed inside the model.")
         raise ApiError(
-            500, f"The model failed on this request ({type(error).__name__}: {error}).", kind="server_error"
+            500, "The model failed on this request; the server's log has the details.", kind="server_error"
         ) from None
 
 
@@ -171,6 +171,9 @@ class Message(Strict):
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
+    # A participant's name, which OpenAI accepts on any message; the chat templates here have no
+    # place for it, so it is read and not used.
+    name: Text | None = None
     tool_calls: list[ToolCall] | None = Field(default=None, min_length=1)
     tool_call_id: Text | None = None
 

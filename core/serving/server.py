@@ -192,8 +192,8 @@ class Server:
 
         @app.exception_handler(Exception)
         async def failed(request: Request, error: Exception):
-            log.exception("A request failed.")
-            message = f"The server failed on this request ({type(error).__name__}: {error})."
+            log.exception("A request failed.")  # the detail, once, in the log; none of it in the body
+            message = "The server failed on this request; its log has the details."
             return ApiError(500, message, kind="server_error").response()
 
         @app.exception_handler(RequestValidationError)
@@ -366,6 +366,8 @@ class _Guard:
                 self.metrics.requests.labels(endpoint, str(status)).inc()
             await send(message)
 
+        if scope["method"] == "POST":
+            scope = _json_by_default(scope)
         try:
             self.check(Request(scope))
         except ApiError as error:
@@ -374,3 +376,13 @@ class _Guard:
             await self.app(scope, receive, counted)
         finally:
             self.metrics.latency.labels(endpoint).observe(time.perf_counter() - started)
+
+
+def _json_by_default(scope: dict) -> dict:
+    """A POST's scope with its body read as JSON unless it says it is a form's upload: OpenAI and
+    llama-server parse a body without a Content-Type, or with curl's default form type, as JSON."""
+    headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+    given = next((v for k, v in scope["headers"] if k == b"content-type"), b"")
+    if given.lower().startswith(b"multipart/form-data") or given.lower().startswith(b"application/json"):
+        return scope
+    return {**scope, "headers": [*headers, (b"content-type", b"application/json")]}

@@ -97,10 +97,20 @@ class ReadTimeoutProtocol(H11Protocol):
 
     def _send_408(self) -> None:
         message = f"The request's body did not arrive: nothing came for {self.read_timeout:g} s."
-        response = ApiError(408, message, "body", "timeout").response({"connection": "close"})
+        self._send_error(ApiError(408, message, "body", "timeout"), b"Request Timeout")
+
+    def send_400_response(self, msg: str) -> None:
+        """h11's refusal of a request it cannot parse (a Content-Length that is no number, a
+        malformed header), OpenAI-shaped like every other error instead of uvicorn's plain text."""
+        message = f"{msg.rstrip('.')}: a malformed request line or header (a Content-Length must be a number)."
+        self._send_error(ApiError(400, message, None), b"Bad Request")
+        self.transport.close()
+
+    def _send_error(self, error: ApiError, reason: bytes) -> None:
+        response = error.response({"connection": "close"})
         headers = self.server_state.default_headers + response.raw_headers
         for event in (
-            h11.Response(status_code=408, headers=headers, reason=b"Request Timeout"),
+            h11.Response(status_code=error.status, headers=headers, reason=reason),
             h11.Data(data=response.body),
             h11.EndOfMessage(),
         ):
