@@ -51,7 +51,7 @@ async def within(awaitable, timeout: float):
         raise ApiError(400, str(error)) from None
     except ApiError:
         raise
-    except Exception as error:
+    except Exception:
         log.exception("A request failed inside the model.")
         raise ApiError(
             500, "The model failed on this request; the server's log has the details.", kind="server_error"
