@@ -160,6 +160,8 @@ def write_clip(path, seconds=1.0):
         (b"this is not audio at all", "not a readable audio file"),
         ("truncated", "the file is truncated"),
         ("silent", "the audio is silent"),
+        ("nan", "the audio holds NaN or infinite samples"),  # two channels: found before the mix-down
+        ("one hertz", "a sample rate of 1 Hz; audio is read at 8000 Hz or more"),  # 500 "seconds" in 1 KB
     ],
 )
 def test_bad_audio_files_are_named(tmp_path, content, message):
@@ -169,6 +171,12 @@ def test_bad_audio_files_are_named(tmp_path, content, message):
         path.write_bytes(path.read_bytes()[:5000])
     elif content == "silent":
         soundfile.write(path, np.zeros(8000, np.float32), 16_000)
+    elif content == "nan":
+        stereo = np.full((8000, 2), 0.1, np.float32)
+        stereo[100, 1] = np.nan
+        soundfile.write(path, stereo, 16_000, subtype="FLOAT")
+    elif content == "one hertz":
+        soundfile.write(path, np.full(500, 0.1, np.float32), 1)
     elif content is not None:
         path.write_bytes(content)
     with pytest.raises(UserError, match=message) as error:

@@ -28,6 +28,9 @@ FORMATS = (".wav", ".flac", ".ogg")
 logger = logging.getLogger("apps")
 # A clip whose peak stays under this (-80 dBFS) holds nothing to recognize.
 SILENCE_PEAK = 1e-4
+# The lowest sample rate read (telephone speech): a header that declares less would make a few
+# bytes last minutes, and their decoding cost as much.
+MIN_SAMPLE_RATE = 8_000
 
 
 def load_audio(path: str | Path, silence_allowed: bool = False) -> np.ndarray:
@@ -52,6 +55,10 @@ def decode_audio(
         raise UserError(f"{where}: the file is empty.")
     try:
         info = soundfile.info(io.BytesIO(data))
+        if info.samplerate < MIN_SAMPLE_RATE:
+            raise UserError(
+                f"{where}: a sample rate of {info.samplerate} Hz; audio is read at {MIN_SAMPLE_RATE} Hz or more."
+            )
         if max_seconds is not None and info.duration > max_seconds:
             raise UserError(
                 f"{where}: {info.duration:.1f} s of audio, more than the {max_seconds:g} s a file may last here."
@@ -69,6 +76,8 @@ def decode_audio(
         raise UserError(f"{where}: the file is truncated (its header promises more samples than it holds).")
     if len(samples) == 0:
         raise UserError(f"{where}: the file holds no samples.")
+    if not np.all(np.isfinite(samples)):  # before the mix-down and resampling, which refuse them
+        raise UserError(f"{where}: the audio holds NaN or infinite samples.")
     mono = librosa.to_mono(samples.T)
     if rate != SAMPLE_RATE or samples.shape[1] > 1:
         # A note, not an error: any rate and channel count is read, and the user should know how.
