@@ -366,6 +366,8 @@ def test_embeddings_are_the_models_mean_pooled_states_alone_or_batched(server, t
         ({"model": "tiny.gguf", "input": "a", "dimensions": 3}, 400, "dimensions"),
         ({"model": "tiny.gguf", "input": []}, 400, "input"),
         ({"model": "tiny.gguf", "input": [[1], [10**6]]}, 400, "input.1"),
+        ({"model": "tiny.gguf", "input": [[1], [1] * 5000]}, 400, "input.1"),  # past --context: refused unread
+        ({"model": "tiny.gguf", "input": [[1] * 5000], "dimensions": 3}, 400, "dimensions"),
         ({"input": [[1]], "model": "sentiment"}, 400, "input"),
         ({"input": "a", "model": "nobody"}, 404, "model"),
         ({"input": "a"}, 400, "model"),  # two served models embed: which one
@@ -373,6 +375,8 @@ def test_embeddings_are_the_models_mean_pooled_states_alone_or_batched(server, t
     ]:
         response = httpx.post(f"{url}/v1/embeddings", json=body, headers=auth())
         assert response.status_code == status and response.json()["error"]["param"] == param, response.text
+        if param == "input.1" and len(body["input"][1]) == 5000:
+            assert "5000 tokens, more than the" in response.json()["error"]["message"]
 
 
 def test_the_embeddings_benchmark_counts_what_the_server_embedded(server, monkeypatch):

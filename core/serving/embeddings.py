@@ -43,17 +43,36 @@ def examples_of(served: Served, body: EmbeddingsBody, limits: RequestLimits) -> 
     return [{"id": f"input {i + 1}", "text": None, "ids": list(ids)} for i, ids in enumerate(inputs)]
 
 
-async def answer(served: Served, body: EmbeddingsBody, limits: RequestLimits, timeout: float) -> dict:
-    examples = examples_of(served, body, limits)
-    states = await within(served.embedder.predict(examples, {}), timeout)
-    vectors = [s.mean(0) for s in states]
-    width = len(vectors[0])
+def check_before_work(served: Served, body: EmbeddingsBody, examples: list[dict]) -> None:
+    """What can be refused before any embedding is computed: `dimensions` other than the
+    model's width, and (a decoder's) an input longer than the server's context (`--context`),
+    whose cost would otherwise grow with the model's own positions."""
+    width = served.task.config.model.d_model
     if body.dimensions is not None and body.dimensions != width:
         raise ApiError(
             400,
             f"dimensions: {served.name}'s embeddings have {width} dimensions, and it was not trained for fewer.",
             "dimensions",
         )
+    if served.engine is None:
+        return
+    context, featurizer = served.engine.context, served.predictor.featurizer
+    for index, example in enumerate(examples):
+        length = len(example["ids"]) if example.get("ids") is not None else len(featurizer.prompt(example))
+        if length > context:
+            where = "input" if len(examples) == 1 else f"input.{index}"
+            raise ApiError(
+                400,
+                f"{where}: {length} tokens, more than the {context} positions this server holds (--context).",
+                where,
+            )
+
+
+async def answer(served: Served, body: EmbeddingsBody, limits: RequestLimits, timeout: float) -> dict:
+    examples = examples_of(served, body, limits)
+    check_before_work(served, body, examples)
+    states = await within(served.embedder.predict(examples, {}), timeout)
+    vectors = [s.mean(0) for s in states]
     data = []
     for index, vector in enumerate(vectors):
         unit = (vector / max(float(np.linalg.norm(vector)), 1e-12)).astype("<f4")
