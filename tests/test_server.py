@@ -585,6 +585,21 @@ def test_predict_batches_concurrent_requests_into_one_call(server):
         ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud800"}]}', 400, "messages.0.content"),
         ("/v1/sentiment/predict", b'{"inputs": ["fine", "\\ud800"]}', 400, "inputs.1"),
         ("/v1/sentiment/predict", b'{"inputs": ["fine"], "options": {"x": "\\ud800"}}', 400, "options"),
+        # ... in an object's keys too: a tool's parameters, a response format's schema.
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": '
+            b'{"name": "f", "parameters": {"type": "object", "properties": {"\\ud800": {"type": "string"}}}}}]}',
+            400,
+            "tools.0.function.parameters",
+        ),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema", '
+            b'"json_schema": {"name": "x", "schema": {"properties": {"\\ud800": {"type": "string"}}}}}}',
+            400,
+            "response_format.json_schema.schema",
+        ),
         ("/v1/completions", b'{"prompt": "\xff"}', 400, "body"),  # not UTF-8
         # More generations than the queue holds could never be served: not a 503 to retry.
         ("/v1/completions", {"prompt": ["a"] * 257}, 400, "prompt"),

@@ -59,10 +59,15 @@ async def within(awaitable, timeout: float):
 
 
 def _texts(value: Any):
+    """Every text in `value`: strings, and an object's keys as well as its values."""
     if isinstance(value, str):
         yield value
-    elif isinstance(value, (list, dict)):
-        for item in value.values() if isinstance(value, dict) else value:
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _texts(key)
+            yield from _texts(item)
+    elif isinstance(value, list):
+        for item in value:
             yield from _texts(item)
 
 
