@@ -264,6 +264,12 @@ PERSON = {
 }
 
 
+ENDLESS = {
+    "$ref": "#/$defs/node",
+    "$defs": {"node": {"type": "object", "properties": {"child": {"$ref": "#/$defs/node"}}, "required": ["child"]}},
+}
+
+
 def test_structured_answers_parse_and_follow_their_schema(server, tiny):
     """Twenty prompts, greedy and sampled, completions and chat, all at once, each answer kept to
     a JSON schema: every one parses, validates and ends with its grammar ("stop"); a json_object
@@ -317,9 +323,15 @@ def test_structured_answers_parse_and_follow_their_schema(server, tiny):
         ),
         ({"response_format": {"type": "json_object"}, "min_tokens": 3}, "min_tokens"),
         ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos"),
+        # No answer can end: each node requires a child node. Refused before any work, not a 500.
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": ENDLESS}}},
+            "response_format",
+        ),
     ]:
         response = httpx.post(f"{url}/v1/completions", json={"prompt": "a", **body}, headers=auth())
         assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+    assert "no answer can complete the grammar" in response.json()["error"]["message"]
 
 
 def test_embeddings_are_the_models_mean_pooled_states_alone_or_batched(server, tiny):

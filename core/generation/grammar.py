@@ -79,12 +79,25 @@ class Constraint:
         import llguidance
 
         self.matcher = llguidance.LLMatcher(vocabulary.tokenizer, grammar, log_level=0)
+        self.stuck = False  # the last mask allowed no token
         if self.matcher.is_error():
-            raise UserError(f"the grammar cannot be followed: {self.matcher.get_error()}")
+            raise UserError(f"the grammar cannot be followed: {_first_line(self.matcher.get_error())}")
+        # The tokens every answer must begin with, taken on a copy: a grammar that forces an
+        # endless run (a required recursive $ref) fails here, before any answer is drawn.
+        probe = self.matcher.deep_copy()
+        forced = probe.compute_ff_tokens()
+        if probe.is_error() or (forced and not probe.consume_tokens(forced)) or probe.is_error():
+            raise UserError(f"no answer can complete the grammar: {_first_line(probe.get_error())}")
 
     def fill(self, row: np.ndarray) -> None:
-        """Writes the allowed ids' bits into `row` (int32 [words], C-contiguous)."""
+        """Writes the allowed ids' bits into `row` (int32 [words], C-contiguous); `stuck` says
+        whether they allow none (the grammar at a dead end: the token drawn is not taken)."""
         self.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+        self.stuck = not row.any()
+
+    def problem(self) -> str:
+        """Why the grammar took no further token."""
+        return _first_line(self.matcher.get_error()) or "it allows no token here"
 
     def take(self, token: int) -> bool:
         """Advances past `token`; False if the grammar refused it."""
@@ -93,3 +106,7 @@ class Constraint:
     def complete(self) -> bool:
         """Whether the grammar is satisfied and allows nothing more but an end token."""
         return self.matcher.is_stopped()
+
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else ""

@@ -333,8 +333,9 @@ class Engine:
             self._finish(slot, "cancelled")
         elif token in request.stop_ids:
             self._finish(slot, "stop")
-        elif request.constraint is not None and not request.constraint.take(token):
-            self._finish(slot, "error: the grammar refused the token drawn")  # a mask that allowed nothing
+        elif request.constraint is not None and (request.constraint.stuck or not request.constraint.take(token)):
+            # A mask that allowed nothing: the token drawn under it is not taken.
+            self._finish(slot, f"error: the answer's grammar took no further token ({request.constraint.problem()})")
         else:
             _tell(request, token, None, scores)
             if request.constraint is not None and request.constraint.complete():

@@ -92,6 +92,10 @@ class Served:
                 "grammar's vocabulary; constrained answers need a pretrained decoder's tokenizer.",
                 field,
             )
+        try:  # one made now: a grammar no answer can complete is refused before any work
+            self.vocabulary.constraint(grammar)
+        except UserError as error:
+            raise ApiError(400, f"{field}: {error}.", field) from None
         return lambda: self.vocabulary.constraint(grammar)
 
     def rows(self, groups: list[list[dict]], values: dict[str, Any]) -> list[list[dict]]:
