@@ -102,7 +102,7 @@ def test_the_shipped_names_and_their_vocabularies():
     base = whisper.vocabulary(installed("whisper-base"))
     assert base.prompt("de", "translate") == [50258, 50261, 50358, 50363]
     assert len(base.languages) == 99 and base.languages["en"] == 50259
-    with pytest.raises(UserError, match="--language 'xx' is not one of this model's 99 languages"):
+    with pytest.raises(UserError, match="--language xx: 'xx' is not one of this model's 99 languages"):
         base.prompt("xx")
     # Whisper base's two parts are linked into one cache folder, never copied.
     folder = pretrained.resolve("whisper-base")

@@ -253,6 +253,8 @@ def test_the_audio_endpoints_answer_as_apps_predict_does(tmp_path, transcriber):
         for fields, param in [
             ({"response_format": "xml"}, "response_format"),
             ({"timestamp_granularities[]": "letter"}, "timestamp_granularities[]"),
+            ({"timestamp_granularities[]": "word"}, "timestamp_granularities[]"),  # without verbose_json
+            ({"language": "xx"}, "language"),  # an English-only model: named, not read as English
             ({"temperature": "hot"}, "temperature"),
             ({"voice": "x"}, "voice"),
         ]:
@@ -260,13 +262,16 @@ def test_the_audio_endpoints_answer_as_apps_predict_does(tmp_path, transcriber):
                 f"{url}/v1/audio/transcriptions", files={"file": ("a.flac", data)}, data=fields, headers=auth()
             )
             assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
-        for files, param in [({"file": ("a.flac", b"not audio")}, "file"), ({}, "file")]:
+        two = [("file", ("a.flac", data)), ("file", ("b.flac", data))]  # a second file is not dropped silently
+        for files, param in [({"file": ("a.flac", b"not audio")}, "file"), ({}, "file"), (two, "file")]:
             response = httpx.post(
                 f"{url}/v1/audio/transcriptions", files=files or None, data={"model": "whisper-tiny.en"}, headers=auth()
             )
             assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
         translated = httpx.post(f"{url}/v1/audio/translations", files={"file": ("a.flac", data)}, headers=auth())
-        assert translated.status_code == 400 and "English-only" in translated.json()["error"]["message"]
+        error = translated.json()["error"]
+        assert translated.status_code == 400 and error["param"] == "model" and "English-only" in error["message"]
+        assert "--" not in error["message"]  # the API's words, not the command line's flags
 
 
 def test_a_multilingual_whisper_finds_each_recordings_language():

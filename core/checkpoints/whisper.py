@@ -45,6 +45,7 @@ from core.model.encoder_decoder import EncoderDecoder, Start
 from core.model.frontends import WhisperStem
 from core.model.heads import TiedOutput, TokenEmbedder
 from core.model.layers import sinusoids
+from core.options import PredictOptionError
 from core.paths import cache_folder
 
 SPEC = "WhisperSpec"
@@ -275,20 +276,23 @@ class Vocabulary:
         """The decoder's first tokens: start, then (multilingual) the language and the task,
         then no-timestamps unless the transcript is to carry `timestamps`."""
         if not self.multilingual:
-            if language not in (None, "en") or task != "transcribe":
-                raise UserError(
-                    f"This Whisper model is English-only: it transcribes English (--language en, --task transcribe), "
-                    f"not --language {language} --task {task}; use whisper-base for other languages."
+            if task != "transcribe":
+                detail = "this Whisper model is English-only: it transcribes English and translates nothing"
+                raise PredictOptionError(f"--task {task}: {detail}; use whisper-base to translate.", "task", detail)
+            if language not in (None, "en"):
+                detail = f"this Whisper model is English-only: it reads English, not {language!r}"
+                raise PredictOptionError(
+                    f"--language {language}: {detail}; use whisper-base for others.", "language", detail
                 )
             head = [self.start]
         else:
             if language not in self.languages:
-                raise UserError(
-                    f"--language {language!r} is not one of this model's {len(self.languages)} languages "
-                    f"({', '.join(sorted(self.languages))})."
-                )
+                known = ", ".join(sorted(self.languages))
+                detail = f"{language!r} is not one of this model's {len(self.languages)} languages ({known})"
+                raise PredictOptionError(f"--language {language}: {detail}.", "language", detail)
             if task not in ("transcribe", "translate"):
-                raise UserError(f"--task {task!r}: Whisper's tasks are transcribe and translate.")
+                detail = f"{task!r}: Whisper's tasks are transcribe and translate"
+                raise PredictOptionError(f"--task {detail}.", "task", detail)
             head = [self.start, self.languages[language], getattr(self, task)]
         return head if timestamps else [*head, self.no_timestamps]
 

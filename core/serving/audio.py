@@ -42,6 +42,8 @@ async def read_form(request: Request) -> dict[str, Any]:
     upload = form.get("file")
     if upload is None or isinstance(upload, str):
         raise ApiError(400, "file: upload the audio as a file field.", "file")
+    if len(form.getlist("file")) > 1:
+        raise ApiError(400, "file: one file a request; send the others in requests of their own.", "file")
     fields = {key: value for key, value in form.multi_items() if key != "file"}
     if any(not isinstance(value, str) for value in fields.values()):
         raise ApiError(400, "Only the file field may be a file.", "body")
@@ -56,6 +58,12 @@ def options(fields: dict[str, Any], translate: bool) -> dict[str, Any]:
         raise ApiError(400, "timestamp_granularities[]: segment or word.", "timestamp_granularities[]")
     if fields.get("response_format", "json") not in FORMATS:
         raise ApiError(400, f"response_format: one of {', '.join(FORMATS)}.", "response_format")
+    if fields["granularities"] and fields.get("response_format", "json") != "verbose_json":
+        raise ApiError(
+            400,
+            "timestamp_granularities[]: timestamps come with response_format verbose_json.",
+            "timestamp_granularities[]",
+        )
     if translate and fields.get("language"):
         raise ApiError(400, "language: a translation is into English; the spoken language is found.", "language")
     try:
@@ -83,7 +91,13 @@ async def answer(served: Served, fields: dict[str, Any], translate: bool, limits
     except UserError as error:
         message = str(error).replace("input 1", f"file {fields['filename']!r}")
         raise ApiError(400, message, "file") from None
-    [row] = await within(served.batcher.predict(examples, values), timeout)
+    try:
+        [row] = await within(served.batcher.predict(examples, values), timeout)
+    except ApiError as error:  # the model's own refusal of a language or of translating, as the form names it
+        if error.param not in ("options.language", "options.task"):
+            raise
+        field = "language" if error.param == "options.language" else "model"
+        raise ApiError(400, f"{field}: {error.message.split(': ', 1)[1]}", field) from None
     form = fields.get("response_format", "json")
     if form == "json":
         return {"text": row["transcript"]}
