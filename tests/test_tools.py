@@ -115,6 +115,12 @@ NAMES = ("get_weather", "get_time")
             "",
             [("get_time", {}), ("get_time", {"zone": 2})],
         ),
+        (  # cut inside the second call (max_tokens): the whole first call stands, no markup left
+            '<tool_call>{"name":"get_time","arguments":{}}</tool_call>\n<tool_call>\n{"name":"get_weather",'
+            '"arguments":{"ci',
+            "",
+            [("get_time", {})],
+        ),
         ('{"name": "get_weather", "parameters": {"city": "Oslo"}}', "", [("get_weather", {"city": "Oslo"})]),
         ('[{"name": "get_time", "arguments": {}}]', "", [("get_time", {})]),
         ("It is sunny.", "It is sunny.", []),

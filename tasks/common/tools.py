@@ -72,12 +72,15 @@ def plain(messages: Sequence[dict[str, Any]], functions: Sequence[dict[str, Any]
 
 def parse(text: str, names: Collection[str]) -> tuple[str, list[Call]]:
     """The answer's text besides its calls, and the calls to the functions named `names`, in
-    order: <tool_call> blocks (the last may be cut before its closing tag), or a whole answer
-    that is one bare JSON call or a list of them. An answer with any call that cannot be read
+    order: <tool_call> blocks (the last may be cut before its closing tag, and dropped where it
+    was cut before its call was whole), or a whole answer that is one bare JSON call or a list
+    of them. An answer with any call that cannot be read
     (not JSON, or an unknown function) is text alone, as it was written."""
     blocks = list(_BLOCK.finditer(text))
     if blocks:
         calls = [_call(block.group(1).strip(), names) for block in blocks]
+        if len(calls) > 1 and calls[-1] is None and not blocks[-1].group(0).endswith(CLOSING):
+            calls = calls[:-1]  # the last call cut short (max_tokens): the whole ones before it stand
         rest = _BLOCK.sub("", text).strip()
     else:
         try:
