@@ -36,15 +36,15 @@ class ApiError(Exception):
         return JSONResponse(body, status_code=self.status, headers=headers)
 
 
-async def within(awaitable, timeout: float):
-    """`awaitable`'s result within `timeout` seconds, its failures as the request's status: 504
-    past the time, 400 for a UserError, 500 for anything else inside the model."""
+async def within(awaitable, timeout: float, stated: float | None = None):
+    """`awaitable`'s result within `timeout` seconds (what is left of the request's `stated`
+    timeout), its failures as the request's status: 504 past the time, 400 for a UserError,
+    500 for anything else inside the model."""
     try:
-        return await asyncio.wait_for(awaitable, timeout)
+        return await asyncio.wait_for(awaitable, max(timeout, 0.0))
     except TimeoutError:
-        raise ApiError(
-            504, f"The request took longer than the server's {timeout:g} s timeout.", kind="timeout"
-        ) from None
+        limit = timeout if stated is None else stated
+        raise ApiError(504, f"The request took longer than the server's {limit:g} s timeout.", kind="timeout") from None
     except PredictOptionError as error:  # the task's own check of an option, named as the request names it
         raise ApiError(400, f"options.{error.name}: {error.detail}", f"options.{error.name}") from None
     except UserError as error:

@@ -246,13 +246,18 @@ class Server:
                 where = f"options.{error.name}"
                 raise ApiError(400, f"{where}: {error.detail}", where) from None
             self._check_inputs(body.inputs)
-            try:  # off the event loop: audio is decoded and resampled here
-                examples = await asyncio.to_thread(served.task.parse_request, body.inputs, values, self.limits)
-            except UserError as error:
-                raise ApiError(400, str(error), "inputs") from None
+            started = time.monotonic()
+            try:  # off the event loop, on the request's clock: audio is decoded and resampled here
+                parsed = asyncio.to_thread(served.task.parse_request, body.inputs, values, self.limits)
+                examples = await within(parsed, self.timeout)
+            except ApiError as error:
+                if error.status != 400:
+                    raise
+                raise ApiError(400, error.message, error.param or "inputs") from None
             if served.engine is not None:  # a decoder: each prompt and its new tokens within the context
                 served.check_room(examples, values)
-            rows = await within(served.batcher.predict(examples, values), self.timeout)
+            left = self.timeout - (time.monotonic() - started)
+            rows = await within(served.batcher.predict(examples, values), left, stated=self.timeout)
             return {"model": served.name, "task": served.task.name, "predictions": rows}
 
     def _completion_endpoints(self) -> None:
