@@ -44,15 +44,25 @@ LAYERS = (
 RANK = {unit: rank for rank, units in enumerate(LAYERS) for unit in units}
 
 
-def imported(path: Path) -> list[str]:
+def imported(path: Path, package: str | None = None) -> list[str]:
     """Every module that `path` imports, at any depth (imports inside functions count);
-    `from package import module` names the module."""
+    `from package import module` names the module, and a relative import is resolved against
+    the file's `package` (by default its place under the repository)."""
+    if package is None and path.is_relative_to(ROOT):
+        name = module_name(path)
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     names = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names += [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            names += [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module
+            if node.level:
+                parts = (package or "").split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1])
+                module = f"{base}.{module}" if module else base
+            if module:
+                names += [module, *(f"{module}.{alias.name}" for alias in node.names)]
     return names
 
 
@@ -188,6 +198,9 @@ def test_the_rules_see_what_they_forbid(tmp_path):
     path = tmp_path / "bad.py"
     path.write_text("def f():\n    from tasks.nlp.data import read_file\n")
     assert task_packages(imported(path)) - {"speech", "common"} == {"nlp"}
+    # Relative imports resolve against the file's package.
+    path.write_text("from ..nlp import data\nfrom . import audio\nfrom .featurizer import clip\n")
+    assert set(imported(path, "tasks.speech")) >= {"tasks.nlp.data", "tasks.speech.audio", "tasks.speech.featurizer"}
     # A model module that imports training goes up; two modules that import each other cycle.
     model, training = tmp_path / "model.py", tmp_path / "training.py"
     model.write_text("from core.training.steps import fit\n")

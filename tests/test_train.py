@@ -11,8 +11,9 @@ import pytest
 from core import run
 from core.config import apply_overrides
 from core.errors import UserError
+from core.model.shapes import bucket_width
 from core.training import sharding
-from core.training.data import bucket_width, train_batches
+from core.training.data import train_batches
 from core.training.hooks import Hooks, StepInfo, Window
 from core.training.steps import build_model, make_steps
 from tasks.nlp.sentiment import SentimentTask, tiny
@@ -115,8 +116,9 @@ def test_bfloat16_puts_bfloat16_matmuls_in_the_step(fitted):
         dots = re.findall(r"dot_general.*: \((tensor<[^)]*)\)", program)
         operand_types.append({"bf16" in operands for operands in dots})
     assert operand_types[0] == {False}
-    # Forward and backward: the body's projections, attention and the head take bf16 operands.
-    assert True in operand_types[1]
+    # Forward and backward: every product (the body's projections, attention, the head) takes
+    # bf16 operands, not one of them.
+    assert operand_types[1] == {True}
 
 
 def test_bfloat16_compute_tracks_float32(fitted):

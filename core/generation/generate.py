@@ -110,7 +110,7 @@ def generate(
     after its first stop token. `seed` is an int or a `jax.random` key. `on_tokens(tokens [B],
     active [B])` streams each step's tokens to the host as they come. Compiled once per shape and
     settings: `width` pads the prompts to that many positions (a bucket shared by many batches,
-    `core.training.data.bucket_width`)."""
+    `core.model.shapes.bucket_width`)."""
     settings, key = sampling_and_key(seed, **sampling)
     tokens, lengths = prepare_prompts(model, prompts, settings.max_new_tokens, width)
     graphdef, params = nnx.split(model)

@@ -28,7 +28,7 @@ from core.generation.sampling import Generation, OnTokens, beam_settings, sample
 from core.model.cache import Cache
 from core.model.encoder_decoder import EncoderDecoder, Start
 from core.model.heads import Source
-from core.training.data import bucket_width
+from core.model.shapes import bucket_width
 
 
 class DecodeState(NamedTuple):
@@ -50,7 +50,7 @@ class Previous(NamedTuple):
 
 def previous_rows(rows: Sequence[Sequence[int]] | None, cap: int) -> Previous | None:
     """Each row's earlier tokens (`Previous`), padded to a bucketed width (one program per
-    width, `core.training.data.bucket_width`, at most `cap`); None where no row has any."""
+    width, `core.model.shapes.bucket_width`, at most `cap`); None where no row has any."""
     if rows is None or not any(rows):
         return None
     longest = max(len(row) for row in rows)

@@ -2,7 +2,7 @@
 
 The cache holds `slots` rows of the model's context. A request waits in a bounded queue until a
 slot is free; its prompt is then prefilled into that slot's row (padded to a width bucket,
-`core.training.data.bucket_width`: a few compiled programs, all compiled by `warm_up`) and its first token
+`core.model.shapes.bucket_width`: a few compiled programs, all compiled by `warm_up`) and its first token
 sampled; from the next step on it decodes beside every other active slot, one token per slot
 per step, each row at its own position (`Cache.lengths`). A finished, failed or cancelled
 request frees its slot at once and a waiting one takes it before the next step: one long
@@ -41,8 +41,8 @@ from core.generation.slot_programs import CHUNK, EXTEND_WIDTHS, Programs
 from core.generation.slot_sampling import BIASED, HELD, Scores, Steering, bias_of, scored, settings
 from core.model import lora
 from core.model.precision import narrowed
+from core.model.shapes import bucket_width
 from core.model.transformer import Model
-from core.training.data import bucket_width
 
 log = logging.getLogger("apps")
 

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from core.errors import UserError
+from core.model.shapes import bucket_width
 
 Arrays = dict[str, np.ndarray]
 
@@ -86,19 +87,6 @@ def train_batches(
 # Rows are sorted by length within windows of this many batches, then the batches are
 # shuffled: batches of similar lengths, in a random order ("sortish" sampling).
 SORT_WINDOW = 64
-
-
-def bucket_width(length: int, cap: int) -> int:
-    """The padded width for `length` positions, at most `cap`: a multiple of 8 up to 32, then
-    the next of 48, 64, 96, 128, 192, ... (a third of padding at most): each width is a compiled
-    program, so there are few of them."""
-    length = int(length)
-    width = 8 * -(-length // 8)
-    if width > 32:
-        width = 1 << (length - 1).bit_length()  # the next power of two
-        if 3 * width // 4 >= length:
-            width = 3 * width // 4
-    return max(1, min(width, cap))
 
 
 def decoding_batches(lengths: Sequence[int], batch_size: int, cap: int) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:

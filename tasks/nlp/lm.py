@@ -38,13 +38,13 @@ from core.errors import UserError
 from core.generation import penalties
 from core.generation.detokenize import TextStream
 from core.model.heads import Projection, TiedOutput, TokenEmbedder
+from core.model.shapes import bucket_width
 from core.model.states import last_states
 from core.options import PredictOption, PredictOptionError
 from core.presets import modern_blocks, tiny_preset
 from core.run import Predictor
 from core.task import Task, final, scored_positions
 from core.training import losses
-from core.training.data import bucket_width
 from tasks.common import chat
 from tasks.common.tokenizer import PretrainedTokenizer, Tokenizer, load_tokenizer
 from tasks.nlp import corpus, instructions
