@@ -18,8 +18,10 @@ from typing import Any
 
 from flax import nnx
 
+from core.checkpoints.rules import set_params
 from core.errors import UserError
 from core.loading import load, load_pretrained
+from core.model import lora
 from core.model.precision import narrowed
 from core.options import predict_option_values
 from core.training.steps import evaluate_arrays
@@ -71,6 +73,14 @@ class Predictor:
         self.task, self.featurizer = self.loaded.task, self.loaded.featurizer
         graphdef, params = nnx.split(self.loaded.steps.decoder(self.loaded.params))
         self.model = nnx.merge(graphdef, narrowed(params, dtype))
+
+    def share_weights(self, weights: dict[str, Any]) -> None:
+        """Take `weights` (flat parameter paths to arrays: another run's, equal to this one's
+        frozen weights) in place of this run's own, so that one copy serves both (a LoRA run
+        served beside its base: `core.serving.adapters`); the run's steps read them too."""
+        set_params(self.model, weights)
+        pure = nnx.to_pure_dict(nnx.state(self.model, nnx.Param))
+        self.loaded.steps.frozen = lora.split(pure, self.task.config.model, type(self.model).transferred)[1]
 
     def options(self, given: dict[str, Any]) -> dict[str, Any]:
         """Every `predict_options` value by name: the given ones (checked), else the defaults."""

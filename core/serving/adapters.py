@@ -20,9 +20,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from flax import nnx
 
-from core.checkpoints.rules import flat_params, set_params
+from core.checkpoints.rules import flat_params
 from core.model import lora
 
 log = logging.getLogger("apps")
@@ -75,9 +74,7 @@ def _shares_weights(base, run, names: tuple[str, str]) -> bool:
         if not np.array_equal(np.asarray(other), np.asarray(value)):
             break
     else:
-        set_params(run.model, {path: theirs[path] for path in frozen})
-        pure = nnx.to_pure_dict(nnx.state(run.model, nnx.Param))
-        run.loaded.steps.frozen = lora.split(pure, run.task.config.model, type(run.model).transferred)[1]
+        run.share_weights({path: theirs[path] for path in frozen})
         return True
     log.warning("%s: its base weights are not %s's; it is served with an engine of its own.", names[1], names[0])
     return False
