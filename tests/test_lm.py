@@ -156,3 +156,22 @@ def test_generation_mistakes_are_named(trained, tmp_path):
 def test_long_prompt_keeps_its_end(trained, apps_log):
     rows = run.predict(LMTask, trained, ["The cat sees the dog. " * 20], {"--max-new-tokens": "4"})
     assert len(rows) == 1 and "keeping its last 28 so that 4 new tokens fit in model.max_len=32" in apps_log.text
+
+
+def test_abandoned_embeddings_stop_before_the_next_text(trained):
+    """Within `abandon.run` (a served call), a decoder's embeddings read one text at a time and
+    stop at the next once every request of the call has given up: the texts left are not read."""
+    import threading
+
+    from core.generation import abandon
+    from core.run import Predictor
+
+    predictor = Predictor(LMTask, trained)
+    examples = predictor.task.parse_inputs(["The cat", "The dogs", "A bird"], predictor.options({}))
+    gone = threading.Event()
+    states = abandon.run(gone, predictor.task.embed, predictor.model, predictor.featurizer, examples)
+    assert len(states) == 3  # not given up: every text read
+    gone.set()
+    with pytest.raises(abandon.Abandoned):
+        abandon.run(gone, predictor.task.embed, predictor.model, predictor.featurizer, examples)
+    predictor.task.embed(predictor.model, predictor.featurizer, examples[:1])  # outside a run: no question asked

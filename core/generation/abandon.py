@@ -5,7 +5,9 @@ timeout, whose client has had its 504 and will never read the answer.
 decode loop asks the host at each step whether `event` is set, and ends every row there if it
 is. Which event a loop asks about rides in the compiled program as a number (`current()`, an
 argument, not a constant), so one program serves every request; outside `run` the loop asks
-nothing and compiles without the question.
+nothing and compiles without the question. Work that loops on the host (a decoder's embeddings,
+one text at a time; Whisper's rounds of windows) calls `check` between its pieces, which raises
+`Abandoned` once the event is set.
 """
 
 from __future__ import annotations
@@ -45,3 +47,14 @@ def asked(ticket: np.ndarray) -> np.bool_:
     """Whether the generations of `ticket` are abandoned (a decode loop's host callback)."""
     event = _events.get(int(ticket))
     return np.bool_(event is not None and event.is_set())
+
+
+class Abandoned(Exception):
+    """Raised by `check` in work whose requests have all given up: nobody reads its result."""
+
+
+def check() -> None:
+    """Raise `Abandoned` if the `run` this thread is in has been abandoned (else nothing)."""
+    ticket = _current.get()
+    if ticket is not None and asked(np.int32(ticket)):
+        raise Abandoned("every request of this call has given up")

@@ -35,7 +35,7 @@ from core import metrics as metric_lib
 from core.checkpoints import pretrained
 from core.config import Config, DataConfig, OptimConfig, TrainConfig, require
 from core.errors import UserError
-from core.generation import penalties
+from core.generation import abandon, penalties
 from core.generation.detokenize import TextStream
 from core.model.heads import Projection, TiedOutput, TokenEmbedder
 from core.model.shapes import bucket_width
@@ -275,6 +275,7 @@ class LMTask(Task):
                 )
         found = []
         for prompt in prompts:  # one at a time, at a bucketed width: a few compiled programs
+            abandon.check()  # a served request that gave up stops here, not after every text
             width = bucket_width(len(prompt), context)
             ids = np.zeros((1, width), np.int32)
             ids[0, : len(prompt)] = prompt

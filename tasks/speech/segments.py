@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from core.generation import abandon
 from core.generation.timestamps import PRECISION, Timestamps
 from tasks.speech import audio
 from tasks.speech import vad as vad_lib
@@ -104,6 +105,7 @@ def transcribe(
     last_speech = [0.0] * len(clips)  # each recording's, for the words' corrections
 
     def decoded(windows: list[tuple[int, int, int]]):  # (example, first frame, frames)
+        abandon.check()  # a served request that gave up stops at its next round of windows
         hop = audio.HOP
         frames = [featurizer.frames(clips[i][first * hop : (first + size) * hop]) for i, first, size in windows]
         results = decode_windows(model, featurizer, frames, decoding, [first == 0 for _, first, _ in windows])
