@@ -13,6 +13,7 @@ from rich.console import Console
 from core.errors import UserError
 from core.options import RequestLimits
 from core.predict import check_dtype
+from core.training import host
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,9 @@ def serve(
     warmed: dict[int, str] = {}  # engines compiled, by id: the name of the model that compiled each
     for item in served:
         console.print(_warm_up(item, settings, warmed))
+    # A server's load comes and goes: what a request's arrays took goes back to the system after
+    # it, not kept as the training process keeps it (core/training/host.py).
+    host.give_back_freed_memory()
     server = server_lib.Server(
         served,
         api_key=settings.api_key,
