@@ -200,7 +200,8 @@ def tiles_attention(q, k, v, mask, causal, window, segments):
 
 def splash_attention(q, k, v, mask, *, causal: bool, dtype, window=None, segments=None, cross: bool = False):
     """Attention through Pallas's splash kernel (`attention_kernel` "splash")."""
-    return splash.attention(q, k, v, mask, causal, dtype, window, segments, cross, chosen().interpret)
+    # Interpreted off a TPU, whichever kernels were chosen (`model.attention=splash` asks for it by name).
+    return splash.attention(q, k, v, mask, causal, dtype, window, segments, cross, chosen().platform != "tpu")
 
 
 def cached_rows_here(q: jax.Array, cache_dtype) -> bool:
