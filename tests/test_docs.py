@@ -16,6 +16,7 @@ PAGES = sorted(
     [
         *(p for p in ROOT.rglob("README.md") if not {".venv", ".git", "fixtures"} & set(p.parts)),
         ROOT / "core" / "TPU.md",
+        ROOT / "core" / "SPEED_LOG.md",
     ]
 )
 
