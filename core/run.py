@@ -39,6 +39,7 @@ from core.loading import (
     recorded_data,
     saved_config,
 )
+from core.model import kernels
 from core.options import predict_option_values
 from core.predict import Predictor, predict
 from core.training import data as data_lib
@@ -128,6 +129,7 @@ def _train(task, workdir: Path, console: Console) -> dict[str, float]:
         f"featurized in {time.perf_counter() - started:.1f}s on {jax.device_count()} device(s)."
     )
     model = build_model(task, featurizer, config, from_pretrained=True)
+    console.print(f"{task.name}: {kernels.chosen().describe()}.")
     if config.model.head_init == "probe":
         log.info(
             transfer.fit_probe(model, task, featurizer, train_arrays, config.train.eval_batch_size, config.train.seed)

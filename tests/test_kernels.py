@@ -43,7 +43,8 @@ def test_a_choice_that_cannot_run_here_is_refused_with_the_reason(requested, pla
         kernels.resolve(requested, platform)
 
 
-def test_the_choice_is_logged_once_and_int4_is_refused_without_its_kernel(apps_log):
+def test_the_choice_is_said_once_and_int4_is_refused_without_its_kernel(apps_log):
+    apps_log.set_level("DEBUG", logger="apps")
     with kernels.using("xla"):
         kernels.select("xla")
         lines = [r.message for r in apps_log.records if r.message.startswith("kernels:")]

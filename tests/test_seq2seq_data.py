@@ -200,7 +200,7 @@ def test_translation_and_rouge_scores_by_hand():
 @pytest.mark.parametrize(
     "content,message",
     [
-        ("", "could not be read|has no row"),
+        ("", "is empty: no header and no rows"),
         ("source\ttext\nhello\tHallo\n", "no column 'target'.*source, text.*data.target_column"),
         ("source\ttarget\n\tHallo\n \t \n", "has no row with both"),
     ],

@@ -11,6 +11,7 @@ from pathlib import Path
 from rich.console import Console
 
 from core.errors import UserError
+from core.model import kernels
 from core.options import RequestLimits
 from core.predict import check_dtype
 from core.training import host
@@ -112,6 +113,7 @@ def serve(
         else "no key, open to all"
     )
     url = f"http://{settings.host}:{settings.port}"
+    console.print(f"{kernels.chosen().describe()}.")
     console.print(f"Serving {', '.join(s.name for s in served)} at {url} ({access}).")
     # No websockets are served: an upgrade would hand the connection to a protocol without the read clock.
     http = timeouts.protocol(settings.read_timeout)

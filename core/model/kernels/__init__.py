@@ -2,7 +2,8 @@
 
 `model.kernels` names the choice (`select`, called when a run's model is built; `chosen` reads it,
 "auto" until then); the model, training and generation code ask the functions below and never
-test the hardware themselves. One log line says what was chosen.
+test the hardware themselves. One line says what was chosen (`Kernels.describe`): in training's
+header, at the server's start and in the debug log.
 
 | operation                          | native (CPU)                       | pallas (TPU)       | xla (anywhere)   |
 |------------------------------------|------------------------------------|--------------------|------------------|
@@ -100,7 +101,7 @@ def select(requested: str = "auto") -> Kernels:
     ready = requested in ("auto", "native") and platform == "cpu" and _native_ready()
     kernels = resolve(requested, platform, ready)
     if kernels != _chosen:
-        log.info(kernels.describe())
+        log.debug(kernels.describe())  # training's header and the server's start say it to the user
         _chosen = kernels
     return kernels
 
