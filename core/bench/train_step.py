@@ -105,8 +105,8 @@ def train(names: Sequence[str], steps: int, console: Console, kernels: str = "au
             f"{result['tokens_per_s']:,.0f}",
             f"{result['step_s'] * 1e3:.0f}",
             f"{result['compile_s']:.1f}",
-            f"{result['achieved_flops'] / 1e12:.2f}",
-            f"{result['peak_flops'] / 1e12:.2f}",
+            f"{result['achieved_flops'] / 1e12:.3g}",
+            f"{result['peak_flops'] / 1e12:.3g}",
             f"{result['mfu']:.1%}",
             "-" if result["mfu_chip"] is None else f"{result['mfu_chip']:.1%}",
         )
