@@ -90,12 +90,7 @@ def serve(
         dtype=settings.dtype,
         prompt_cache=settings.prompt_cache,
     )
-    warmed: dict[int, str] = {}  # engines compiled, by id: the name of the model that compiled each
-    for item in served:
-        console.print(_warm_up(item, settings, warmed))
-    # A server's load comes and goes: what a request's arrays took goes back to the system after
-    # it, not kept as the training process keeps it (core/training/host.py).
-    host.give_back_freed_memory()
+    _warm_up_all(served, settings, console)
     server = server_lib.Server(
         served,
         api_key=settings.api_key,
@@ -121,6 +116,16 @@ def serve(
         server.app, host=settings.host, port=settings.port, http=http, ws="none", log_level="warning"
     )
     uvicorn.Server(config).run()
+
+
+def _warm_up_all(served, settings: Settings, console) -> None:
+    """Every served model compiled before the first request; then freed memory goes back to the
+    system: a server's load comes and goes, and what a request's arrays took is returned after
+    it, not kept as a training process keeps it (core/training/host.py)."""
+    warmed: dict[int, str] = {}  # engines compiled, by id: the name of the model that compiled each
+    for item in served:
+        console.print(_warm_up(item, settings, warmed))
+    host.give_back_freed_memory()
 
 
 def _warm_up(item, settings: Settings, warmed: dict[int, str]) -> str:
