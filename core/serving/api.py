@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
@@ -36,15 +37,28 @@ class ApiError(Exception):
         return JSONResponse(body, status_code=self.status, headers=headers)
 
 
-async def within(awaitable, timeout: float, stated: float | None = None):
-    """`awaitable`'s result within `timeout` seconds (what is left of the request's `stated`
-    timeout), its failures as the request's status: 504 past the time, 400 for a UserError,
-    500 for anything else inside the model."""
+class Deadline:
+    """A request's `seconds` from now, shared by the steps of its work (decoding an upload, then
+    the model): each waits for what the ones before it left."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.end = seconds, time.monotonic() + seconds
+
+    def left(self) -> float:
+        return max(self.end - time.monotonic(), 0.0)
+
+
+async def within(awaitable, timeout: float | Deadline):
+    """`awaitable`'s result within `timeout` seconds (or what is left of a request's `Deadline`),
+    its failures as the request's status: 504 past the time, 400 for a UserError, 500 for
+    anything else inside the model."""
+    deadline = timeout if isinstance(timeout, Deadline) else Deadline(timeout)
     try:
-        return await asyncio.wait_for(awaitable, max(timeout, 0.0))
+        return await asyncio.wait_for(awaitable, deadline.left())
     except TimeoutError:
-        limit = timeout if stated is None else stated
-        raise ApiError(504, f"The request took longer than the server's {limit:g} s timeout.", kind="timeout") from None
+        raise ApiError(
+            504, f"The request took longer than the server's {deadline.seconds:g} s timeout.", kind="timeout"
+        ) from None
     except PredictOptionError as error:  # the task's own check of an option, named as the request names it
         raise ApiError(400, f"options.{error.name}: {error.detail}", f"options.{error.name}") from None
     except UserError as error:

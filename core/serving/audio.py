@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import time
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import PlainTextResponse
 
 from core.options import RequestLimits
-from core.serving.api import ApiError, within
+from core.serving.api import ApiError, Deadline, within
 from core.serving.models import Served
 
 FORMATS = ("json", "text", "srt", "vtt", "verbose_json")
@@ -86,17 +85,16 @@ async def answer(served: Served, fields: dict[str, Any], translate: bool, limits
     """The transcript of the form's file in its `response_format`."""
     values = {**served.predictor.options({}), **options(fields, translate)}
     encoded = base64.b64encode(fields["data"]).decode()
-    started = time.monotonic()
+    deadline = Deadline(timeout)
     try:  # decoded and resampled off the event loop, on the request's clock
-        examples = await within(asyncio.to_thread(served.task.parse_request, [encoded], values, limits), timeout)
+        examples = await within(asyncio.to_thread(served.task.parse_request, [encoded], values, limits), deadline)
     except ApiError as error:
         if error.status != 400:
             raise
         message = error.message.replace("input 1", f"file {fields['filename']!r}")
         raise ApiError(400, message, "file") from None
-    left = timeout - (time.monotonic() - started)
     try:
-        [row] = await within(served.batcher.predict(examples, values), left, stated=timeout)
+        [row] = await within(served.batcher.predict(examples, values), deadline)
     except ApiError as error:  # the model's own refusal of a language or of translating, as the form names it
         if error.param not in ("options.language", "options.task"):
             raise

@@ -46,7 +46,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from core.errors import UserError
 from core.options import PredictOptionError, RequestLimits, predict_option_values
 from core.serving import audio, embeddings, tools
-from core.serving.api import ApiError, ChatBody, CompletionBody, EmbeddingsBody, PredictBody, within
+from core.serving.api import ApiError, ChatBody, CompletionBody, Deadline, EmbeddingsBody, PredictBody, within
 from core.serving.batcher import Batcher
 from core.serving.completions import Completions
 from core.serving.metrics import Metrics
@@ -246,18 +246,17 @@ class Server:
                 where = f"options.{error.name}"
                 raise ApiError(400, f"{where}: {error.detail}", where) from None
             self._check_inputs(body.inputs)
-            started = time.monotonic()
+            deadline = Deadline(self.timeout)
             try:  # off the event loop, on the request's clock: audio is decoded and resampled here
                 parsed = asyncio.to_thread(served.task.parse_request, body.inputs, values, self.limits)
-                examples = await within(parsed, self.timeout)
+                examples = await within(parsed, deadline)
             except ApiError as error:
                 if error.status != 400:
                     raise
                 raise ApiError(400, error.message, error.param or "inputs") from None
             if served.engine is not None:  # a decoder: each prompt and its new tokens within the context
                 served.check_room(examples, values)
-            left = self.timeout - (time.monotonic() - started)
-            rows = await within(served.batcher.predict(examples, values), left, stated=self.timeout)
+            rows = await within(served.batcher.predict(examples, values), deadline)
             return {"model": served.name, "task": served.task.name, "predictions": rows}
 
     def _completion_endpoints(self) -> None:
