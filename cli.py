@@ -45,6 +45,7 @@ OutputOpt = Annotated[Optional[Path], typer.Option("--output", "-o", metavar="FI
 DtypeOpt = Annotated[
     str,
     typer.Option(
+        "--dtype",
         metavar="DTYPE",
         help="Weights of generation: float32, bfloat16, int8 or int4 (fewer bytes a token, faster decoding).",
     ),
@@ -135,7 +136,7 @@ def seeds_command(
 def evaluate(
     task: TaskArg,
     workdir: WorkdirOpt = None,
-    split: Annotated[str, typer.Option(metavar="SPLIT", help="valid or test.")] = "test",
+    split: Annotated[str, typer.Option("--split", metavar="SPLIT", help="valid or test.")] = "test",
     data: DataOpt = None,
     model: Annotated[
         Optional[str], typer.Option(metavar="NAME", help="Score a pretrained checkpoint as it is (zero-shot).")
@@ -250,7 +251,9 @@ def embed(
     workdir: Annotated[
         Optional[Path], typer.Option("--workdir", "-w", metavar="DIR", help="A trained run whose body embeds.")
     ] = None,
-    file: Annotated[Optional[Path], typer.Option(metavar="FILE", help="A UTF-8 text file, one input a line.")] = None,
+    file: Annotated[
+        Optional[Path], typer.Option("--file", metavar="FILE", help="A UTF-8 text file, one input a line.")
+    ] = None,
     output: Annotated[Path, typer.Option("--output", "--out", "-o", metavar="FILE", help="The .npz written.")] = Path(
         "embeddings.npz"
     ),
@@ -299,8 +302,8 @@ def serve(
     model: Annotated[
         Optional[list[str]], typer.Option(metavar="NAME", help="A pretrained decoder or Whisper; repeatable.")
     ] = None,
-    host: Annotated[str, typer.Option(metavar="HOST", help="Address to listen on.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(metavar="PORT", help="Port to listen on.")] = 8000,
+    host: Annotated[str, typer.Option("--host", metavar="HOST", help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", metavar="PORT", help="Port to listen on.")] = 8000,
     max_batch: Annotated[int, typer.Option(metavar="N", help="Inputs per predict call; generation slots.")] = 8,
     max_wait_ms: Annotated[float, typer.Option(metavar="MS", help="A predict request's wait for others.")] = 5.0,
     context: Annotated[
@@ -365,7 +368,10 @@ def export_command(
     workdir: Annotated[Optional[Path], typer.Option("--workdir", "-w", metavar="DIR", help="A trained run.")] = None,
     model: Annotated[Optional[str], typer.Option(metavar="NAME", help="A pretrained checkpoint instead.")] = None,
     dtype: Annotated[
-        str, typer.Option(metavar="DTYPE", help="float32, bfloat16 or float16; q8_0 (gguf); ct2: float32, float16.")
+        str,
+        typer.Option(
+            "--dtype", metavar="DTYPE", help="float32, bfloat16 or float16; q8_0 (gguf); ct2: float32, float16."
+        ),
     ] = "float32",
     force: Annotated[bool, typer.Option("--force", help="Replace what stands at --out.")] = False,
 ) -> None:

@@ -55,6 +55,29 @@ def test_bench_is_a_group_whose_subcommands_name_their_choices():
     assert apps("bench", "train", "--clients", "4").exit_code == 2
 
 
+def test_every_option_is_named_by_its_flag_whatever_typers_version():
+    """Typer 0.27 named an option by its metavar where the two matched ("--SPLIT" for `split`
+    with metavar SPLIT): an option whose metavar spells its name gives its flag itself."""
+    import typer.main
+    from typer.models import OptionInfo
+
+    from cli import app
+
+    def callbacks(typer_app):
+        yield from (command.callback for command in typer_app.registered_commands)
+        for group in typer_app.registered_groups:
+            yield from callbacks(group.typer_instance)
+
+    checked = 0
+    for callback in callbacks(app):
+        for name, meta in typer.main.get_params_from_function(callback).items():
+            info = meta.default
+            if isinstance(info, OptionInfo) and (info.metavar or "").lower() == name.replace("_", "-"):
+                checked += 1
+                assert info.param_decls, f"{callback.__name__}: give {name}'s flag (--{name.replace('_', '-')})"
+    assert checked >= 3  # --split, --host, --port at least
+
+
 def test_tasks_lists_every_registered_task_for_programs_and_at_80_columns(tmp_path):
     result = apps("tasks", "--format", "json", "--output", tmp_path / "tasks.json")
     assert result.exit_code == 0, result.output

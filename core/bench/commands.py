@@ -38,6 +38,7 @@ ServedRunOpt = Annotated[
 DtypeOpt = Annotated[
     str,
     typer.Option(
+        "--dtype",
         metavar="DTYPE",
         help="Weights of generation: float32, bfloat16, int8 or int4 (fewer bytes a token, faster decoding).",
     ),
