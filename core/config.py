@@ -260,6 +260,10 @@ class TrainConfig:
     remat: bool = False
     # Devices on the `fsdp` mesh axis; parameters are sharded over it, the batch over all.
     fsdp: int = 1
+    # Optimizer steps run in one call to the devices (a scan over that many batches): a small
+    # model whose steps the host cannot dispatch fast enough keeps the device busy. Validation
+    # and checkpoints fall between calls, so their cadences are multiples of it.
+    steps_per_dispatch: int = 1
 
     def __post_init__(self):
         for key in ("batch_size", "eval_batch_size", "steps", "eval_every", "checkpoint_every", "log_every"):
@@ -272,6 +276,14 @@ class TrainConfig:
             f"must be a multiple of train.grad_accum={self.grad_accum}",
         )
         require(self.fsdp > 0, "train.fsdp", self.fsdp, "must be positive")
+        require(self.steps_per_dispatch > 0, "train.steps_per_dispatch", self.steps_per_dispatch, "must be positive")
+        for key in ("eval_every", "checkpoint_every"):
+            require(
+                getattr(self, key) % self.steps_per_dispatch == 0,
+                f"train.{key}",
+                getattr(self, key),
+                f"must be a multiple of train.steps_per_dispatch={self.steps_per_dispatch}",
+            )
 
 
 @dataclass(frozen=True, kw_only=True)

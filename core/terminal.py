@@ -209,14 +209,6 @@ class _StderrHandler(logging.Handler):
         print(self.format(record), file=sys.stderr)
 
 
-def save_figures(name: str, figures: list[dict], json_path: Path | None) -> None:
-    """A benchmark's figures into `json_path` as {name: figures}, when one is given."""
-    if json_path is not None:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps({name: figures}, indent=2) + "\n")
-        print(f"Wrote {json_path}.")
-
-
 def split_options(arguments: list[str], switches: set[str] = frozenset()) -> tuple[list[str], dict[str, str]]:
     """Positional inputs, and `--flag value` / `--flag=value` pairs for the task to read; a
     switch (`--chat`) stands alone."""

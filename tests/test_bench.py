@@ -24,7 +24,9 @@ def test_a_pretrained_decoders_decode_and_finetune_speed(tmp_path):
     tiny = write_tiny_gguf(tmp_path / "tiny.gguf")
     result = apps("bench", "decode", "--model", tiny, "--json", tmp_path / "decode.json")
     assert result.exit_code == 0, result.output
-    figures = json.loads((tmp_path / "decode.json").read_text())["decode"]
+    written = json.loads((tmp_path / "decode.json").read_text())
+    figures = written["decode"]
+    assert written["device"]["platform"] == "cpu" and written["device"]["device_count"] == 8
     assert [(r["batch_size"], r["dtype"]) for r in figures] == list(checkpoint.PRETRAINED_DECODE)
     result = apps("bench", "finetune", "--model", tiny, "--steps", 1, "--json", tmp_path / "finetune.json")
     assert result.exit_code == 0, result.output

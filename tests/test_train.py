@@ -235,3 +235,37 @@ def test_hooks_run_at_their_cadence_in_order_and_pausing_ones_stop_the_clock(mon
         *[("log", 7), ("validate", 7), ("save", 7)],
     ]
     assert window.paused == 4 * 1.0 + 2 * 10.0  # four saves, two validations; no LogLoss restarts the window
+
+
+def test_steps_run_several_to_a_call_as_one_at_a_time(tmp_path, monkeypatch):
+    """train.steps_per_dispatch=4 over ten steps: two calls of four steps, then two single
+    steps, with the losses, validation and final metrics of ten single steps (the batches kept
+    at full width: the padding changes nothing but the order of float sums)."""
+    from core.training import steps as steps_lib
+
+    calls = []
+    call = steps_lib._Bound.__call__
+    monkeypatch.setattr(
+        steps_lib._Bound,
+        "__call__",
+        lambda self, first, batch: calls.append((type(batch), "opt_state" in first)) or call(self, first, batch),
+    )
+    options = ["train.steps=10", "train.eval_every=4", "train.checkpoint_every=4", "train.log_every=1"]
+    single = run.train(SentimentTask, workdir=tmp_path / "single", preset="tiny", overrides=options, data="synthetic")
+    calls.clear()
+    chunked = ["train.steps_per_dispatch=4", *options]
+    several = run.train(SentimentTask, workdir=tmp_path / "several", preset="tiny", overrides=chunked, data="synthetic")
+    assert calls.count((tuple, True)) == 2 and calls.count((dict, True)) == 2  # and evaluation's calls
+
+    def records(name):
+        return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+
+    one, four = records("single"), records("several")
+    assert [sorted(r) for r in one] == [sorted(r) for r in four]
+    for a, b in zip(one, four):
+        for key in a:
+            if key.startswith("valid_") or key in ("loss", "grad_norm"):
+                assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (a["step"], key)
+    assert several == pytest.approx(single, rel=1e-5, abs=1e-6)
+    with pytest.raises(UserError, match=r"train.eval_every=6 must be a multiple of train.steps_per_dispatch=4"):
+        apply_overrides(tiny(), ["train.steps_per_dispatch=4", "train.eval_every=6"])

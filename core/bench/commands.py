@@ -56,9 +56,9 @@ def bench_train(
     json_path: JsonOpt = None,
 ) -> None:
     """The core's train step on GPT-style decoders: tokens/s, MFU."""
-    from core.bench import train_step
+    from core.bench import timing, train_step
 
-    terminal.save_figures("train", train_step.train(configs or [], steps, terminal.console(), kernels), json_path)
+    timing.save_figures("train", train_step.train(configs or [], steps, terminal.console(), kernels), json_path)
 
 
 @app.command("decode")
@@ -74,7 +74,7 @@ def bench_decode(
     """Greedy decoding speed, new tokens/s.
 
     Random weights with and without the KV cache, or a --model in float32 and bfloat16."""
-    from core.bench import checkpoint, decode
+    from core.bench import checkpoint, decode, timing
 
     if model is not None and models:
         raise UserError("apps bench decode: give shapes of random weights or --model, not both.")
@@ -83,7 +83,7 @@ def bench_decode(
         if model is None
         else checkpoint.decode(model, terminal.console())
     )
-    terminal.save_figures("decode", figures, json_path)
+    timing.save_figures("decode", figures, json_path)
 
 
 @app.command("finetune")
@@ -102,10 +102,10 @@ def bench_finetune(
     """A pretrained decoder's fine-tuning step: all weights and LoRA.
 
     Each with float32 and with bfloat16 products."""
-    from core.bench import checkpoint
+    from core.bench import checkpoint, timing
 
     figures = checkpoint.finetune(model, steps, terminal.console(), rows, length, remat, kernels)
-    terminal.save_figures("finetune", figures, json_path)
+    timing.save_figures("finetune", figures, json_path)
 
 
 @app.command("serve")
@@ -129,6 +129,7 @@ def bench_serve(
     """`apps serve` of a language model under concurrent clients.
 
     SmolLM2 by default, with its slots and with one, beside --against servers."""
+    from core.bench import timing
     from core.serving import load
 
     try:
@@ -138,7 +139,7 @@ def bench_serve(
     figures = load.main(
         model, workdir, counts, terminal.console(), list(against or []), seconds, slots, context, fixed_lengths, dtype
     )
-    terminal.save_figures("serve", figures, json_path)
+    timing.save_figures("serve", figures, json_path)
 
 
 @app.command("embed")
@@ -152,6 +153,7 @@ def bench_embed(
     """`apps serve`'s /v1/embeddings at batch 1 and 32, and 32 clients.
 
     SmolLM2 by default; --workdir a sentiment, protein or lm run."""
+    from core.bench import timing
     from core.serving import embedding_load as embeddings
 
-    terminal.save_figures("embed", embeddings.main(model, workdir, terminal.console(), seconds), json_path)
+    timing.save_figures("embed", embeddings.main(model, workdir, terminal.console(), seconds), json_path)

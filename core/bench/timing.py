@@ -3,15 +3,19 @@ random tokens, and the matmul peak that MFU is measured against."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from rich.table import Table
+
+from core.bench.flops import device_record
 
 
 def figures(title: str, caption: str, columns: tuple[str, ...]) -> Table:
@@ -98,3 +102,12 @@ class MatmulPeak:
             now = time.perf_counter()
             self.burst = max(self.burst, self.flops / (now - last))
         self.best = max(self.best, count * self.flops / (now - started))
+
+
+def save_figures(name: str, figures: list[dict], json_path: Path | None) -> None:
+    """A benchmark's figures into `json_path` as {name: figures, "device": where they ran},
+    when one is given."""
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps({name: figures, "device": device_record()}, indent=2) + "\n")
+        print(f"Wrote {json_path}.")

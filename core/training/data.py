@@ -52,6 +52,7 @@ def train_batches(
     start_step: int = 0,
     augment: Callable[[Arrays, np.random.Generator], Arrays] | None = None,
     trim: dict[str, tuple[str, ...]] | None = None,
+    cut: bool = True,
 ) -> Iterator[Arrays]:
     """Global training batches from `start_step` on, forever, as this process's rows.
 
@@ -61,7 +62,8 @@ def train_batches(
     `trim` ({mask key: the keys whose second axis that mask measures}, a task's `trim`) groups
     rows of similar lengths into batches and cuts each batch to its longest row, rounded up to
     a `bucket_width` so that few shapes compile: short pairs then cost what they hold, not the
-    featurizer's full width.
+    featurizer's full width; with `cut` False the batches keep that width (steps run several to
+    a call stack batches of one shape).
     """
     total = size(arrays)
     per_epoch = total // batch_size
@@ -76,7 +78,7 @@ def train_batches(
             order = epoch_order(total, batch_size, np.random.default_rng(seed + epoch), lengths)
         rows = np.sort(order[step % per_epoch])
         batch = take(arrays, rows)
-        if trim:
+        if trim and cut:
             batch = trimmed(batch, trim)
         if augment is not None:
             batch = augment(batch, np.random.default_rng((seed, step)))

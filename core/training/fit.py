@@ -74,9 +74,10 @@ def fit(
             window.restart()
             asked = None  # the previous step's verdict on a stop request, read once this one is queued
             while step < train.steps:
-                state, logs = steps.train_step(state, next(batches))
-                step += 1
-                hooks.run(StepInfo(step, state, logs))
+                state, each = _advance(steps, state, batches, step, train)
+                for logs in each:
+                    step += 1
+                    hooks.run(StepInfo(step, state, logs))
                 # Every process reads the same verdict after the same step, so all stop at one step
                 # and save it together; reading the previous step's never leaves the devices idle.
                 if asked is not None:
@@ -92,6 +93,19 @@ def fit(
     finally:
         checkpoints.close()
     return keep_best.metrics
+
+
+def _advance(steps: Steps, state, batches: Iterator[dict], step: int, train: TrainConfig) -> tuple[Any, list[dict]]:
+    """The state after the next call to the devices, and the logs of each step it ran: a chunk of
+    `train.steps_per_dispatch` steps where one starts at `step` and ends by `train.steps`
+    (its logs brought to the host at once), else one step."""
+    chunk = train.steps_per_dispatch
+    if steps.train_steps is None or step % chunk or step + chunk > train.steps:
+        state, logs = steps.train_step(state, next(batches))
+        return state, [logs]
+    state, stacked = steps.train_steps(state, tuple(next(batches) for _ in range(chunk)))
+    stacked = jax.device_get(stacked)
+    return state, [{key: value[index] for key, value in stacked.items()} for index in range(chunk)]
 
 
 def _hooks(
@@ -131,5 +145,6 @@ def _placed_batches(
         return sharding.global_batch(mesh, {**batch, "stop": stop})
 
     augment = functools.partial(task.augment, featurizer=featurizer)
-    batches = data_lib.train_batches(arrays, train.batch_size, train.seed, start, augment, task.trim)
+    cut = train.steps_per_dispatch == 1  # a call of several steps stacks batches of one width
+    batches = data_lib.train_batches(arrays, train.batch_size, train.seed, start, augment, task.trim, cut)
     return data_lib.prefetch(batches, place)

@@ -72,6 +72,9 @@ class Steps:
     eval_step: Callable[[Any, dict], tuple[dict, dict]]
     mesh: Mesh
     frozen: Any = None
+    # train.steps_per_dispatch > 1: train_steps(state, (batch, ...)) runs that many steps in one
+    # call, their logs stacked; None otherwise.
+    train_steps: Callable[[State, tuple], tuple[State, dict]] | None = None
 
     def model(self, params: Any) -> nnx.Module:
         """The model holding `params` (as the state and the checkpoints hold them) and the frozen part."""
@@ -133,15 +136,36 @@ def make_steps(
     state = {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
     state = sharding.place_params(mesh, state)
     state_sharding = jax.tree.map(lambda x: x.sharding, state)
-    train_step = _in_products(_train_step(task, forward, tx, train), train.matmul_dtype, mesh)
+    one_step = _train_step(task, forward, tx, train)
+    frozen_sharding = jax.tree.map(lambda x: x.sharding, frozen)
+
+    def jitted(step: Callable, batches: Any) -> _Bound:
+        return _Bound(
+            jax.jit(
+                _in_products(step, train.matmul_dtype, mesh),
+                in_shardings=(state_sharding, frozen_sharding, batches),
+                out_shardings=(state_sharding, sharding.replicated(mesh)),
+                donate_argnums=0,
+            ),
+            frozen,
+        )
+
     batch_sharding = sharding.batch_sharding(mesh)
-    jitted = jax.jit(
-        train_step,
-        in_shardings=(state_sharding, jax.tree.map(lambda x: x.sharding, frozen), batch_sharding),
-        out_shardings=(state_sharding, sharding.replicated(mesh)),
-        donate_argnums=0,
-    )
-    return Steps(graphdef, state, _Bound(jitted, frozen), eval_step, mesh, frozen)
+    train_step = jitted(one_step, batch_sharding)
+    chunk = train.steps_per_dispatch
+    train_steps = jitted(_scanned_steps(one_step), (batch_sharding,) * chunk) if chunk > 1 else None
+    return Steps(graphdef, state, train_step, eval_step, mesh, frozen, train_steps)
+
+
+def _scanned_steps(train_step: Callable) -> Callable:
+    """steps(state, frozen, batches) -> the state after one `train_step` a batch of the tuple
+    `batches`, in order, and their logs stacked: one program for several optimizer steps."""
+
+    def steps(state, frozen, batches):
+        stacked = jax.tree.map(lambda *rows: jnp.stack(rows), *batches)
+        return jax.lax.scan(lambda carry, batch: train_step(carry, frozen, batch), state, stacked)
+
+    return steps
 
 
 def _forward(graphdef: Any, compute_dtype: str) -> Callable:
