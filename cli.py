@@ -14,6 +14,7 @@ from typing import Annotated, Optional
 import typer
 
 from core import terminal
+from core.bench.commands import DtypeOpt
 from core.errors import UserError
 from core.terminal import user_errors
 from tasks import benches as task_benches
@@ -42,14 +43,6 @@ FormatOpt = Annotated[
     str, typer.Option("--format", metavar="FORMAT", help="table (for people), json, jsonl or csv (in full).")
 ]
 OutputOpt = Annotated[Optional[Path], typer.Option("--output", "-o", metavar="FILE", help="Write here, not to stdout.")]
-DtypeOpt = Annotated[
-    str,
-    typer.Option(
-        "--dtype",
-        metavar="DTYPE",
-        help="Weights of generation: float32, bfloat16, int8 or int4 (fewer bytes a token, faster decoding).",
-    ),
-]
 
 
 @app.callback()

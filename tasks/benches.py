@@ -31,9 +31,10 @@ def bench_transcribe(
     """Whisper's real-time factor on short and long clips."""
     if model is None:
         raise UserError("apps bench transcribe needs --model (whisper-tiny.en, whisper-base).")
+    from core.bench import timing
     from tasks.speech import bench as speech_bench
 
-    terminal.save_figures("transcribe", speech_bench.transcription(model, terminal.console()), json_path)
+    timing.save_figures("transcribe", speech_bench.transcription(model, terminal.console()), json_path)
 
 
 @app.command("translate")
@@ -52,8 +53,9 @@ def bench_summarize(json_path: JsonOpt = None) -> None:
 
 def _bench_seq2seq(task: str, json_path: Path | None) -> None:
     import tasks
+    from core.bench import timing
     from tasks.nlp import bench as nlp_bench
 
     task_type = tasks.get(task)
     terminal.show_task_log()
-    terminal.save_figures(task, nlp_bench.seq2seq(task_type, terminal.console()), json_path)
+    timing.save_figures(task, nlp_bench.seq2seq(task_type, terminal.console()), json_path)

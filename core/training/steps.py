@@ -255,19 +255,25 @@ def _train_step(task: Trainable, forward: Callable, tx: optax.GradientTransforma
     return train_step
 
 
+# Streamed metrics added in one call to the devices, not one per numerator and denominator.
+_summed = jax.jit(lambda total, update: jax.tree.map(jnp.add, total, update))
+
+
 def evaluate_arrays(
     steps: Steps, params: Any, arrays: data_lib.Arrays, batch_size: int
 ) -> tuple[dict[str, float], dict[str, np.ndarray]]:
-    """Streamed metrics over a whole split, and the decoded predictions of its real rows."""
+    """Streamed metrics over a whole split, and the decoded predictions of its real rows. The
+    batches' predictions stay on the devices until the last is dispatched: the host never waits
+    for one batch before queueing the next."""
     data_lib.check_batch_size(batch_size, "train.eval_batch_size")
-    total, decoded = None, []
+    total, on_devices = None, []
     place = lambda batch: sharding.global_batch(steps.mesh, batch)  # noqa: E731
     for batch in data_lib.prefetch(data_lib.eval_batches(arrays, batch_size), place):
         streamed, predictions = steps.eval_step(params, batch)
-        total = metrics_lib.add(total, streamed)
-        decoded.append(
-            jax.tree.map(lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)), predictions)
-        )
+        total = streamed if total is None else _summed(total, streamed)
+        on_devices.append(predictions)
+    to_host = lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True))  # noqa: E731
+    decoded = [jax.tree.map(to_host, predictions) for predictions in on_devices]
     count = data_lib.size(arrays)
     predictions = {key: np.concatenate([d[key] for d in decoded])[:count] for key in decoded[0]}
     return metrics_lib.finish(total), predictions
