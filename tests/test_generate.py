@@ -445,3 +445,27 @@ def test_the_timestamp_rules_keep_whispers_shape():
     assert allowed([7, 2, 8], text_likely) == [8, 9]
     assert allowed([7, 2, 8, 8], text_likely) == [0, 1, 2, 3, 4, 5, 6]  # after a pair: text
     assert allowed([7, 2, 9, 9, 3], text_likely) == [0, 1, 2, 3, 4, 5, 6]  # no timestamp left past 9
+
+
+def test_a_watched_generation_runs_in_chunks_and_makes_the_tokens_of_one_loop(model, monkeypatch):
+    """Streamed, a generation runs five steps a call (chunks.CHUNK) and the host looks between
+    calls: twelve sampled tokens in three calls, each step streamed once in order, with the
+    tokens, lengths and scores of the loop that runs in one call unwatched."""
+    from core.generation import chunks
+    from core.generation import generate as generate_module
+
+    monkeypatch.setattr(chunks, "CHUNK", 5)
+    calls = []
+    original = generate_module._next_program
+    monkeypatch.setattr(generate_module, "_next_program", lambda *a: calls.append(a[-1]) or original(*a))
+    settings = dict(max_new_tokens=12, temperature=1.0, top_k=20, seed=7)
+    whole = generate(model, PROMPTS, **settings)
+    streamed = []
+    watched = generate(model, PROMPTS, **settings, on_tokens=lambda t, a: streamed.append((t.copy(), a.copy())))
+    assert [int(until) for until in calls] == [10, 15]  # the first call decoded steps 0-4
+    np.testing.assert_array_equal(watched.tokens, whole.tokens)
+    np.testing.assert_array_equal(watched.lengths, whole.lengths)
+    np.testing.assert_allclose(watched.log_probs, whole.log_probs, rtol=1e-6)
+    tokens, active = (np.stack(x, 1) for x in zip(*streamed))
+    assert tokens.shape[1] == whole.lengths.max() and (active.sum(1) == whole.lengths).all()
+    np.testing.assert_array_equal(np.where(active, tokens, 0), whole.tokens[:, : tokens.shape[1]])

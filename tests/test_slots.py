@@ -365,3 +365,23 @@ def test_a_prompt_that_begins_as_a_kept_one_prefills_the_rest_alone_and_decodes_
             run_all(engine, [Request(prompt, new, collector)], [collector])
             assert collector.tokens == list(generate(model, [prompt], max_new_tokens=new).tokens[0][:new])
         assert engine.reused == 0
+
+
+def test_an_engine_states_what_it_holds_and_refuses_a_cache_past_the_memory(monkeypatch):
+    """Two slots and three kept prompts of the context's positions: five rows of every layer's
+    float32 keys and values, counted by hand; past the memory available, refused with the knobs."""
+    from flax import nnx
+
+    from core.errors import UserError
+    from core.generation import slot_memory
+
+    model = language_model()
+    engine = Engine(model, slots=2, prompt_cache=3)
+    c = model.body.config
+    row = c.num_layers * 2 * c.key_value_heads * c.head_dim * engine.context * 4
+    weights = sum(x.size * 4 for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert (engine.held.weights, engine.held.cache, engine.held.kept) == (weights, 2 * row, 3 * row)
+    assert f"{2 * row / 2**20:.1f} MB of cache, {3 * row / 2**20:.1f} MB of kept prompts" in engine.held.describe()
+    monkeypatch.setattr(slot_memory, "available", lambda: (4 * row, "host"))
+    with pytest.raises(UserError, match=r"2 slots of 24 positions and 3 kept prompts need .* \(--max-batch\)"):
+        Engine(model, slots=2, prompt_cache=3)

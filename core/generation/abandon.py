@@ -1,11 +1,11 @@
 """Generations that the thread running them may abandon midway: a served request past its
 timeout, whose client has had its 504 and will never read the answer.
 
-`run(event, function, *args)` calls `function` with every generation it starts abandonable: its
-decode loop asks the host at each step whether `event` is set, and ends every row there if it
-is. Which event a loop asks about rides in the compiled program as a number (`current()`, an
-argument, not a constant), so one program serves every request; outside `run` the loop asks
-nothing and compiles without the question. Work that loops on the host (a decoder's embeddings,
+`run(event, function, *args)` calls `function` with every generation it starts abandonable:
+sampling's host asks between chunks of steps whether `event` is set (`core.generation.chunks`)
+and cuts every row at the step it learnt it; beam search's loop asks at each step, its event
+riding in the compiled program as a number (`current()`, an argument, not a constant), so one
+program serves every request. Outside `run` nothing is asked. Work that loops on the host (a decoder's embeddings,
 one text at a time; Whisper's rounds of windows) calls `check` between its pieces, which raises
 `Abandoned` once the event is set.
 """

@@ -23,9 +23,18 @@ import numpy as np
 from flax import nnx
 
 from core.errors import UserError
-from core.generation import abandon
+from core.generation import abandon, chunks
 from core.generation.beam import Beams, beam_search
-from core.generation.sampling import Generation, OnTokens, State, beam_settings, sample, sampling_and_key
+from core.generation.sampling import (
+    Generation,
+    OnTokens,
+    State,
+    advance,
+    beam_settings,
+    begin,
+    results,
+    sampling_and_key,
+)
 from core.model import kernels
 from core.model.cache import Cache
 from core.model.heads import CopyProjection, Projection
@@ -108,14 +117,27 @@ def generate(
     `max_new_tokens`; `sampling` are the fields of `Sampling` (max_new_tokens, temperature,
     top_k, top_p, stop_tokens, no_repeat_ngram, word_reward), the choice of tokens. A row stops
     after its first stop token. `seed` is an int or a `jax.random` key. `on_tokens(tokens [B],
-    active [B])` streams each step's tokens to the host as they come. Compiled once per shape and
+    active [B])` streams each step's tokens to the host, a chunk of steps at a time
+    (`core.generation.chunks`). Compiled once per shape and
     settings: `width` pads the prompts to that many positions (a bucket shared by many batches,
     `core.model.shapes.bucket_width`)."""
     settings, key = sampling_and_key(seed, **sampling)
     tokens, lengths = prepare_prompts(model, prompts, settings.max_new_tokens, width)
     graphdef, params = nnx.split(model)
-    outputs = _sample_program(graphdef, settings, on_tokens, use_cache, params, tokens, lengths, key, abandon.current())
-    return Generation(*(np.asarray(x) for x in outputs))
+    ticket = abandon.current()
+    if on_tokens is None and ticket is None:
+        return Generation(
+            *(np.asarray(x) for x in _sample_program(graphdef, settings, use_cache, params, tokens, lengths, key))
+        )
+    static = graphdef, settings, use_cache
+
+    def first(until):
+        return _first_program(*static, params, tokens, lengths, key, until)
+
+    def then(carry, until):
+        return _next_program(*static, params, carry, key, until)
+
+    return Generation(*chunks.drive(first, then, settings.max_new_tokens, on_tokens, ticket)[:3])
 
 
 def best_continuations(
@@ -144,12 +166,31 @@ def best_continuations(
     return result.tokens, result.lengths
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), compiler_options=COMPILER_OPTIONS)
-def _sample_program(graphdef, sampling, on_tokens, use_cache, params, tokens, lengths, key, ticket):
+def _begun(graphdef, sampling, use_cache, params, tokens, lengths, key):
+    """The model, its decode step and the loop's carry after the prompts' prefill."""
     model = nnx.merge(graphdef, params)
     start, step = (prefill, extend) if use_cache else (prefill_buffer, recompute)
     logits, state = start(model, tokens, lengths, tokens.shape[1] + sampling.max_new_tokens)
-    return sample(functools.partial(step, model), state, logits, key, sampling, on_tokens, ticket)
+    return functools.partial(step, model), begin(state, logits, key, sampling)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), compiler_options=COMPILER_OPTIONS)
+def _sample_program(graphdef, sampling, use_cache, params, tokens, lengths, key):
+    step, carry = _begun(graphdef, sampling, use_cache, params, tokens, lengths, key)
+    return results(advance(step, carry, key, sampling, sampling.max_new_tokens))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), compiler_options=COMPILER_OPTIONS)
+def _first_program(graphdef, sampling, use_cache, params, tokens, lengths, key, until):
+    step, carry = _begun(graphdef, sampling, use_cache, params, tokens, lengths, key)
+    return advance(step, carry, key, sampling, until)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=4, compiler_options=COMPILER_OPTIONS)
+def _next_program(graphdef, sampling, use_cache, params, carry, key, until):
+    model = nnx.merge(graphdef, params)
+    step = functools.partial(extend if use_cache else recompute, model)
+    return advance(step, carry, key, sampling, until)
 
 
 def generate_beams(model: Model, prompts: Sequence[Sequence[int]], *, width: int | None = None, **beam) -> Beams:

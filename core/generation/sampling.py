@@ -8,7 +8,9 @@ Every decoder runs against one small decode-step interface:
 where `state` is any pytree whose every leaf has the batch as its leading axis (a key/value
 `Cache`, encoder outputs, ...). `sample` and `beam_search` (`core.generation.beam`) take such a
 step, the state after the prompt and the logits for the first new token, and decode in ONE
-`jax.lax.while_loop`: no Python dispatch per token, the cache updated in place. Decoder-only
+`jax.lax.while_loop`: no Python dispatch per token, the cache updated in place. Where the host
+streams the tokens or may abandon the generation, the loop runs in chunks of steps, the host
+looking between them (`core.generation.chunks`). Decoder-only
 models (`core.generation.generate`) and encoder-decoders (`core.generation.seq2seq`) supply
 their steps.
 """
@@ -23,10 +25,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import io_callback
 
 from core.errors import UserError
-from core.generation import abandon, penalties
+from core.generation import penalties
 from core.generation.timestamps import Timestamps
 from core.generation.timestamps import rules as timestamp_rules
 
@@ -104,52 +105,58 @@ def choose(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
-def sample(
-    step: Step,
-    state: State,
-    logits: jax.Array,
-    key: jax.Array,
-    sampling: Sampling,
-    on_tokens: OnTokens | None = None,
-    ticket: jax.Array | None = None,
-) -> tuple[jax.Array, jax.Array]:
-    """Decodes up to `max_new_tokens` per row from `logits` [B, V] for the first new token, in one
-    while loop that ends when every row has produced a stop token, or at the first step after
-    the host abandons `ticket` (`core.generation.abandon`). -> tokens [B, M], lengths [B],
-    log-probability sums [B] (see `Generation`)."""
-    M = sampling.max_new_tokens
-    stops = jnp.asarray(sampling.stop_tokens, jnp.int32)
-    B = logits.shape[0]
+# The decode loop's carry: (the next step's index, its input tokens [B], the new tokens
+# [B, max_new_tokens], lengths [B], log-probability sums [B], which rows are done [B], the state).
+Carry = tuple
 
-    def pick(index, logits, tokens, lengths, log_probs, done):
-        if sampling.timestamps is not None:
-            logits = timestamp_rules(logits, tokens, index, sampling.timestamps)
-        logits = penalties.adjust(logits, tokens, index, stops, sampling.no_repeat_ngram, sampling.word_reward)
-        token = jnp.where(done, 0, choose(logits, jax.random.fold_in(key, index), sampling))
-        if on_tokens is not None:
-            io_callback(on_tokens, None, token, ~done, ordered=True)
-        chosen = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), token[:, None], axis=-1)[:, 0]
-        log_probs = log_probs + jnp.where(done, 0.0, chosen)
-        tokens = jax.lax.dynamic_update_slice(tokens, token[:, None], (0, index))
-        lengths = lengths + (~done).astype(jnp.int32)
-        done = done | jnp.isin(token, stops)
-        if ticket is not None:
-            done = done | io_callback(abandon.asked, jax.ShapeDtypeStruct((), jnp.bool_), ticket, ordered=True)
-        return token, tokens, lengths, log_probs, done
+
+def sample(step: Step, state: State, logits: jax.Array, key: jax.Array, sampling: Sampling) -> tuple[jax.Array, ...]:
+    """Decodes up to `max_new_tokens` per row from `logits` [B, V] for the first new token, in one
+    while loop that ends when every row has produced a stop token. -> tokens [B, M], lengths
+    [B], log-probability sums [B] (see `Generation`). A loop the host watches between chunks of
+    steps (streaming, abandonment) runs `begin` and `advance` (`core.generation.chunks`)."""
+    carry = advance(step, begin(state, logits, key, sampling), key, sampling, sampling.max_new_tokens)
+    return results(carry)
+
+
+def results(carry: Carry) -> tuple[jax.Array, ...]:
+    """A loop's tokens, lengths and log-probability sums."""
+    return carry[2], carry[3], carry[4]
+
+
+def begin(state: State, logits: jax.Array, key: jax.Array, sampling: Sampling) -> Carry:
+    """The carry after the first new token, picked from `logits` [B, V]."""
+    B, M = logits.shape[0], sampling.max_new_tokens
+    zeros = jnp.zeros((B, M), jnp.int32), jnp.zeros((B,), jnp.int32), jnp.zeros((B,), jnp.float32)
+    return jnp.int32(1), *_pick(sampling, key, 0, logits, *zeros, jnp.zeros((B,), bool)), state
+
+
+def advance(step: Step, carry: Carry, key: jax.Array, sampling: Sampling, until: jax.Array | int) -> Carry:
+    """The carry after the steps from its index up to `until` (exclusive, at most
+    `max_new_tokens`), or until every row is done."""
+    stop_at = jnp.minimum(until, sampling.max_new_tokens)
 
     def body(carry):
         index, token, tokens, lengths, log_probs, done, state = carry
         logits, state = step(state, token)
-        return index + 1, *pick(index, logits, tokens, lengths, log_probs, done), state
+        return index + 1, *_pick(sampling, key, index, logits, tokens, lengths, log_probs, done), state
 
-    def running(carry):
-        index, done = carry[0], carry[5]
-        return (index < M) & ~jnp.all(done)
+    return jax.lax.while_loop(lambda carry: (carry[0] < stop_at) & ~jnp.all(carry[5]), body, carry)
 
-    zeros = jnp.zeros((B, M), jnp.int32), jnp.zeros((B,), jnp.int32), jnp.zeros((B,), jnp.float32)
-    start = pick(0, logits, *zeros, jnp.zeros((B,), bool))
-    _, _, tokens, lengths, log_probs, _, _ = jax.lax.while_loop(running, body, (jnp.int32(1), *start, state))
-    return tokens, lengths, log_probs
+
+def _pick(sampling: Sampling, key, index, logits, tokens, lengths, log_probs, done):
+    """Step `index`'s token of each row from its logits (0 where the row is done), written into
+    `tokens`, counted in `lengths` and scored in `log_probs`; a stop token ends its row."""
+    stops = jnp.asarray(sampling.stop_tokens, jnp.int32)
+    if sampling.timestamps is not None:
+        logits = timestamp_rules(logits, tokens, index, sampling.timestamps)
+    logits = penalties.adjust(logits, tokens, index, stops, sampling.no_repeat_ngram, sampling.word_reward)
+    token = jnp.where(done, 0, choose(logits, jax.random.fold_in(key, index), sampling))
+    chosen = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), token[:, None], axis=-1)[:, 0]
+    log_probs = log_probs + jnp.where(done, 0.0, chosen)
+    tokens = jax.lax.dynamic_update_slice(tokens, token[:, None], (0, index))
+    lengths = lengths + (~done).astype(jnp.int32)
+    return token, tokens, lengths, log_probs, done | jnp.isin(token, stops)
 
 
 def sampling_and_key(seed: int | jax.Array = 0, **fields) -> tuple[Sampling, jax.Array]:

@@ -1,6 +1,6 @@
 """Decoding an encoder-decoder (`core.model.encoder_decoder.EncoderDecoder`).
 
-Decoding (`generate_from_source`, `generate_beams_from_source`) runs core/generation/generate.py's `sample`
+Decoding (`generate_from_source`, `generate_beams_from_source`) runs core/generation/sampling.py's loop
 and `beam_search` with this model's own decode step: `encode_prefill` encodes the sources once,
 projects every decoder layer's keys and values of the memory once into the cache (and, for a
 copying head, its view of the source into the state beside it) and runs the decoder's prompt
@@ -21,10 +21,10 @@ import numpy as np
 from flax import nnx
 
 from core.errors import UserError
-from core.generation import abandon
+from core.generation import abandon, chunks
 from core.generation.beam import Beams, beam_search
 from core.generation.generate import COMPILER_OPTIONS, step_logits
-from core.generation.sampling import Generation, OnTokens, beam_settings, sample, sampling_and_key
+from core.generation.sampling import Generation, OnTokens, advance, beam_settings, begin, results, sampling_and_key
 from core.model.cache import Cache
 from core.model.encoder_decoder import EncoderDecoder, Start
 from core.model.heads import Source
@@ -151,17 +151,49 @@ def generate_from_source(
     before = _previous(model, previous, start, settings.max_new_tokens)
     inputs, mask = prepare_sources(model, sources, settings.max_new_tokens, width, _prompt_width(start, before))
     graphdef, params = nnx.split(model)
-    ticket = abandon.current()
-    outputs = _source_sample_program(graphdef, settings, start, on_tokens, params, inputs, mask, key, ticket, before)
-    return Generation(*(np.asarray(x) for x in outputs))
+    ticket, static = abandon.current(), (graphdef, settings, start)
+    if on_tokens is None and ticket is None:
+        outputs = _source_sample_program(*static, params, inputs, mask, key, before)
+        return Generation(*(np.asarray(x) for x in outputs))
+    probed = []
+
+    def first(until):
+        carry, probe = _source_first_program(*static, params, inputs, mask, key, before, until)
+        probed.append(probe)
+        return carry
+
+    def then(carry, until):
+        return _source_next_program(*static, params, carry, key, until)
+
+    tokens, lengths, log_probs, _ = chunks.drive(first, then, settings.max_new_tokens, on_tokens, ticket)
+    return Generation(tokens, lengths, log_probs, np.asarray(probed[0]))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), compiler_options=COMPILER_OPTIONS)
-def _source_sample_program(graphdef, sampling, start, on_tokens, params, inputs, mask, key, ticket, previous):
+def _source_begun(graphdef, sampling, start, params, inputs, mask, key, previous):
+    """The model's decode step, the loop's carry after the sources' encoding and the prompt's
+    prefill, and the probed token's probability."""
     model = nnx.merge(graphdef, params)
     logits, state, probe = encode_prefill(model, inputs, mask, start, sampling.max_new_tokens, previous)
     step = functools.partial(encoder_decoder_step, model, suppress=start.suppress)
-    return *sample(step, state, logits, key, sampling, on_tokens, ticket), probe
+    return step, begin(state, logits, key, sampling), probe
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), compiler_options=COMPILER_OPTIONS)
+def _source_sample_program(graphdef, sampling, start, params, inputs, mask, key, previous):
+    step, carry, probe = _source_begun(graphdef, sampling, start, params, inputs, mask, key, previous)
+    return *results(advance(step, carry, key, sampling, sampling.max_new_tokens)), probe
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), compiler_options=COMPILER_OPTIONS)
+def _source_first_program(graphdef, sampling, start, params, inputs, mask, key, previous, until):
+    step, carry, probe = _source_begun(graphdef, sampling, start, params, inputs, mask, key, previous)
+    return advance(step, carry, key, sampling, until), probe
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=4, compiler_options=COMPILER_OPTIONS)
+def _source_next_program(graphdef, sampling, start, params, carry, key, until):
+    step = functools.partial(encoder_decoder_step, nnx.merge(graphdef, params), suppress=start.suppress)
+    return advance(step, carry, key, sampling, until)
 
 
 def first_logits(model: EncoderDecoder, sources: Sequence[Any], *, start: Start) -> np.ndarray:

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from core.generation import slot_memory
 from core.generation.generate import logits_of
 from core.generation.grammar import Constraint
 from core.generation.prompt_cache import MIN_REUSE, PromptCache
@@ -113,6 +114,8 @@ class Engine:
         probe = jnp.zeros((1, 1), jnp.int32), jnp.ones((1, 1), bool)
         cache_dtype = jax.eval_shape(lambda: model.embedder(*probe)[0]).dtype
         self.vocab_size = jax.eval_shape(lambda: logits_of(model, model.embedder(*probe)[0])).shape[-1]
+        # The slots' and the kept prompts' rows are allocated once, here: reckoned first.
+        self.held = slot_memory.plan(model, self.params, slots, prompt_cache, self.context, cache_dtype)
         self.cache = jax.device_put(model.body.init_cache(slots, self.context, cache_dtype), device)
         windows = [w for w in (config.window(i) for i in range(config.num_layers)) if w is not None]
         self.kept = PromptCache(prompt_cache, self.cache, min(windows, default=None)) if prompt_cache else None

@@ -144,6 +144,6 @@ def _warm_up(item, settings: Settings, warmed: dict[int, str]) -> str:
     shared = f" ({role}, the base's shared with {engine.adapters} LoRA adapters)" if engine.adapters else ""
     return (
         f"{item.name} ({item.task.name}): {settings.max_batch} slots of {engine.context} positions, "
-        f"{settings.dtype} weights{shared}; compiled the decode step over {rows} rows and prefills of width "
-        f"{widths} in {sum(timings.values()):.1f} s."
+        f"{settings.dtype} weights{shared}, holding {engine.held.describe()}; compiled the decode step over "
+        f"{rows} rows and prefills of width {widths} in {sum(timings.values()):.1f} s."
     )

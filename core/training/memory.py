@@ -100,9 +100,9 @@ def estimate(task, featurizer, config: Config, sample: dict) -> Estimate:
     optimizer = trained * 4 * 3 / shard
     rows = max(1, -(-(train.batch_size // train.grad_accum) // jax.device_count()))
     activations = kept_for_backward(task, featurizer, config, abstract, sample, rows)
-    available, where = _available()
+    free, where = available()
     devices = jax.local_device_count() if where == "host" else 1
-    _last = Estimate(parameters, trained, weights, optimizer, activations, available, devices, where, products)
+    _last = Estimate(parameters, trained, weights, optimizer, activations, free, devices, where, products)
     return _last
 
 
@@ -164,7 +164,7 @@ def _count(params) -> int:
     return sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(params))
 
 
-def _available() -> tuple[float | None, str]:
+def available() -> tuple[float | None, str]:
     """The bytes one device may use and where: a GPU's limit, or on CPU the host's available RAM."""
     device = jax.local_devices()[0]
     if device.platform != "cpu":
