@@ -223,10 +223,13 @@ def test_an_abandoned_generation_ends_at_its_next_step_and_others_run_on(model):
     assert abandon.current() is None
 
 
-def test_an_abandoned_beam_search_ends_at_its_next_step(model):
-    """Beam search asks as sampling does: with its event set, the search ends after the step
-    that follows the first token (two tokens written, every later place empty); an event never
-    set changes nothing."""
+def test_an_abandoned_beam_search_ends_with_its_chunk(model, monkeypatch):
+    """Beam search runs two steps a call when abandonable (chunks.CHUNK): with its event set,
+    the search ends with its first call (two tokens written, every later place empty); an event
+    never set changes nothing."""
+    from core.generation import chunks
+
+    monkeypatch.setattr(chunks, "CHUNK", 2)
     settings = dict(beam_size=2, max_new_tokens=8, stop_tokens=())
     whole = generate_beams(model, PROMPTS, **settings)
     event = threading.Event()

@@ -2,12 +2,11 @@
 timeout, whose client has had its 504 and will never read the answer.
 
 `run(event, function, *args)` calls `function` with every generation it starts abandonable:
-sampling's host asks between chunks of steps whether `event` is set (`core.generation.chunks`)
-and cuts every row at the step it learnt it; beam search's loop asks at each step, its event
-riding in the compiled program as a number (`current()`, an argument, not a constant), so one
-program serves every request. Outside `run` nothing is asked. Work that loops on the host (a decoder's embeddings,
-one text at a time; Whisper's rounds of windows) calls `check` between its pieces, which raises
-`Abandoned` once the event is set.
+its decode loop runs a chunk of steps a call and the host asks between calls whether `event` is
+set (`core.generation.chunks`): sampling cuts every row at the step it learnt it, beam search
+ends with its chunk. Outside `run` a generation runs in one call and nothing is asked. Work that
+loops on the host (a decoder's embeddings, one text at a time; Whisper's rounds of windows) calls
+`check` between its pieces, which raises `Abandoned` once the event is set.
 """
 
 from __future__ import annotations
@@ -38,13 +37,13 @@ def run(event: threading.Event, function: Callable[..., Any], *args) -> Any:
 
 
 def current() -> np.int32 | None:
-    """The ticket of the `run` this thread is in (the argument a decode loop asks with), or None."""
+    """The ticket of the `run` this thread is in (what a generation asks `asked` with), or None."""
     ticket = _current.get()
     return None if ticket is None else np.int32(ticket)
 
 
 def asked(ticket: np.ndarray) -> np.bool_:
-    """Whether the generations of `ticket` are abandoned (a decode loop's host callback)."""
+    """Whether the generations of `ticket` are abandoned."""
     event = _events.get(int(ticket))
     return np.bool_(event is not None and event.is_set())
 

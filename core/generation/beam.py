@@ -21,10 +21,9 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import io_callback
 
 from core.errors import UserError
-from core.generation import abandon, penalties
+from core.generation import penalties
 from core.generation.timestamps import Timestamps
 from core.generation.timestamps import rules as timestamp_rules
 
@@ -44,10 +43,18 @@ def gnmt_penalty(length, alpha: float):
     return ((5.0 + length) / 6.0) ** alpha
 
 
-def beam_search(
+def beam_search(step, state, logits: jax.Array, **settings) -> Beams:
+    """The `beam_size` best continuations of each row, from `state` and the `logits` [B, V] for
+    its first new token, in one loop; `settings` are `searcher`'s. A search the host watches
+    runs `start`, `run` and `finish` of the same `searcher` a chunk of steps a call
+    (`core.generation.chunks.drive_search`)."""
+    search = searcher(step, logits.shape, **settings)
+    return search.finish(search.run(search.start(state, logits), search.max_new_tokens)[0])
+
+
+def searcher(
     step,
-    state,
-    logits: jax.Array,
+    shape: tuple[int, int | None],
     *,
     beam_size: int,
     max_new_tokens: int,
@@ -57,28 +64,23 @@ def beam_search(
     word_reward: float = 0.0,
     early_stopping: bool = False,
     timestamps: Timestamps | None = None,
-    ticket: jax.Array | None = None,
-) -> Beams:
-    """The `beam_size` best continuations of each row, from `state` and the `logits` [B, V] for
-    its first new token. A beam ends at its first stop token; beams still alive after
-    `max_new_tokens` come after every ended one, filling the places that no ended beam took.
-    With `early_stopping` (Whisper's and CTranslate2's search) a row's output is its first W
-    ended beams; without, the search goes on while a live beam could still outscore one. With
-    `timestamps`, every beam keeps to Whisper's timestamp rules (`core.generation.timestamps`).
-    The search ends at the first step after the host abandons `ticket` (`core.generation.abandon`;
-    its beams are then never read)."""
-    B, V = logits.shape
-    W, M, alpha = beam_size, max_new_tokens, length_penalty
-    if not 2 * W <= V:
+) -> _Search:
+    """A search over logits of `shape` [B, V] (V None: checked before). A beam ends at its first stop token; beams still
+    alive after `max_new_tokens` come after every ended one, filling the places that no ended
+    beam took. With `early_stopping` (Whisper's and CTranslate2's search) a row's output is its
+    first W ended beams; without, the search goes on while a live beam could still outscore one.
+    With `timestamps`, every beam keeps to Whisper's timestamp rules (`core.generation.timestamps`)."""
+    B, V = shape
+    W, alpha = beam_size, length_penalty
+    if V is not None and not 2 * W <= V:
         raise UserError(f"beam_size={W} needs a vocabulary of at least {2 * W} tokens, not {V}.")
     if alpha < 0:
         raise UserError(f"length_penalty={alpha} must be >= 0.")
-    search = _Search(
+    return _Search(
         step=step,
         rows=B,
         beams=W,
-        max_new_tokens=M,
-        vocabulary=V,
+        max_new_tokens=max_new_tokens,
         alpha=alpha,
         stops=jnp.asarray(stop_tokens, jnp.int32),
         offsets=(jnp.arange(B) * W)[:, None],
@@ -86,20 +88,7 @@ def beam_search(
         word_reward=word_reward,
         early_stopping=early_stopping,
         timestamps=timestamps,
-        ticket=ticket,
     )
-    carry = search.start(state, logits)
-    index, (alive_tokens, alive_scores), finished, _, _ = jax.lax.while_loop(search.running, search.body, carry)
-    # Beams cut at max_new_tokens only fill the places of a row that fewer than W ended beams
-    # took (as CTranslate2 and Whisper rank them): a cut beam is not a whole output, and one that
-    # loops ("... ... ...") at log-probabilities near 0 would otherwise outscore every ended one.
-    cut = (alive_tokens, jnp.full((B, W), index, jnp.int32), alive_scores / gnmt_penalty(index, alpha))
-    tokens, lengths, scores = (jnp.concatenate(parts, axis=1) for parts in zip(finished, cut))
-    ended = jnp.arange(2 * W)[None, :] < W
-    ranked = jnp.where(ended & jnp.isfinite(scores), 0, 1)  # ended first, then cut, then empty
-    order = jnp.lexsort((-scores, ranked), axis=-1)[:, :W]
-    pick = functools.partial(jnp.take_along_axis, indices=order, axis=1)
-    return Beams(jnp.take_along_axis(tokens, order[:, :, None], axis=1), pick(lengths), pick(scores))
 
 
 @dataclass(frozen=True, eq=False)
@@ -115,7 +104,6 @@ class _Search:
     rows: int
     beams: int
     max_new_tokens: int
-    vocabulary: int
     alpha: float
     stops: jax.Array
     offsets: jax.Array
@@ -123,7 +111,6 @@ class _Search:
     word_reward: float
     early_stopping: bool
     timestamps: Timestamps | None
-    ticket: jax.Array | None = None
 
     def start(self, state, logits):
         """The carry after the first new token, from the prompt's `state` and `logits` [B, V]."""
@@ -140,11 +127,28 @@ class _Search:
         index, alive, finished, last, state = carry
         logits, state = self.step(state, last)
         alive, finished, parents, last = self.select(index, logits, alive, finished)
-        index = index + 1
-        if self.ticket is not None:  # abandoned: the loop's condition fails at once
-            gone = io_callback(abandon.asked, jax.ShapeDtypeStruct((), jnp.bool_), self.ticket, ordered=True)
-            index = jnp.where(gone, self.max_new_tokens, index)
-        return index, alive, finished, last, _reorder(state, parents)
+        return index + 1, alive, finished, last, _reorder(state, parents)
+
+    def run(self, carry, until):
+        """The carry after the steps up to `until` (exclusive) or the search's end, and whether
+        it would go on."""
+        carry = jax.lax.while_loop(lambda c: self.running(c) & (c[0] < until), self.body, carry)
+        return carry, self.running(carry)
+
+    def finish(self, carry) -> Beams:
+        """The W best beams of each row from the loop's last carry."""
+        B, W, alpha = self.rows, self.beams, self.alpha
+        index, (alive_tokens, alive_scores), finished, _, _ = carry
+        # Beams cut at max_new_tokens only fill the places of a row that fewer than W ended beams
+        # took (as CTranslate2 and Whisper rank them): a cut beam is not a whole output, and one that
+        # loops ("... ... ...") at log-probabilities near 0 would otherwise outscore every ended one.
+        cut = (alive_tokens, jnp.full((B, W), index, jnp.int32), alive_scores / gnmt_penalty(index, alpha))
+        tokens, lengths, scores = (jnp.concatenate(parts, axis=1) for parts in zip(finished, cut))
+        ended = jnp.arange(2 * W)[None, :] < W
+        ranked = jnp.where(ended & jnp.isfinite(scores), 0, 1)  # ended first, then cut, then empty
+        order = jnp.lexsort((-scores, ranked), axis=-1)[:, :W]
+        pick = functools.partial(jnp.take_along_axis, indices=order, axis=1)
+        return Beams(jnp.take_along_axis(tokens, order[:, :, None], axis=1), pick(lengths), pick(scores))
 
     def running(self, carry):
         M, alpha = self.max_new_tokens, self.alpha
@@ -161,7 +165,7 @@ class _Search:
     def select(self, index, logits, alive, finished):
         """Extends the alive beams by one token (the `index`-th) and sorts the candidates into
         alive and finished; -> alive, finished, flat parent of each new beam [B * W], its token."""
-        B, W, M, V = self.rows, self.beams, self.max_new_tokens, self.vocabulary
+        B, W, M, V = self.rows, self.beams, self.max_new_tokens, logits.shape[-1]
         alive_tokens, alive_scores = alive
         if self.timestamps is not None:  # on the logits: the allowed tokens' probabilities sum to 1
             logits = timestamp_rules(logits, alive_tokens.reshape(B * W, M), index, self.timestamps)

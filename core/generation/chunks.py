@@ -12,6 +12,7 @@ host was streaming when it learnt of it (its later tokens, already made, are dro
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -46,3 +47,17 @@ def drive(
         if index >= max_new_tokens or bool(np.all(carry[5])):
             return tokens, lengths, np.asarray(carry[4]), carry
         carry = then(carry, np.int32(index + CHUNK))
+
+
+def drive_search(
+    first: Callable[[np.int32], tuple[Carry, Any]],
+    then: Callable[[Carry, np.int32], tuple[Carry, Any]],
+    ticket: np.int32,
+) -> Carry:
+    """A beam search (`core.generation.beam`) a chunk of steps a call: `first(until)` and
+    `then(carry, until)` -> (the carry, whether the search would go on). It ends where the search
+    does or at the first chunk's end after the host abandons `ticket`; -> its last carry."""
+    carry, going = first(np.int32(CHUNK))
+    while bool(going) and not abandon.asked(ticket):
+        carry, going = then(carry, np.int32(int(carry[0]) + CHUNK))
+    return carry

@@ -24,7 +24,7 @@ from flax import nnx
 
 from core.errors import UserError
 from core.generation import abandon, chunks
-from core.generation.beam import Beams, beam_search
+from core.generation.beam import Beams, searcher
 from core.generation.sampling import (
     Generation,
     OnTokens,
@@ -201,15 +201,46 @@ def generate_beams(model: Model, prompts: Sequence[Sequence[int]], *, width: int
     settings = beam_settings(**beam)
     tokens, lengths = prepare_prompts(model, prompts, settings.max_new_tokens, width)
     graphdef, params = nnx.split(model)
-    outputs = _beam_program(graphdef, settings, params, tokens, lengths, abandon.current())
-    return Beams(*(np.asarray(x) for x in outputs))
+    ticket = abandon.current()
+    if ticket is None:
+        return Beams(*(np.asarray(x) for x in _beam_program(graphdef, settings, params, tokens, lengths)))
+    carry = chunks.drive_search(
+        lambda until: _beam_first(graphdef, settings, params, tokens, lengths, until),
+        lambda carry, until: _beam_next(graphdef, settings, params, carry, until),
+        ticket,
+    )
+    return Beams(*(np.asarray(x) for x in finish_search(settings, carry)))
+
+
+def _beam_begun(graphdef, settings, params, tokens, lengths):
+    """The search and its carry after the prompts' prefill and the first token."""
+    model = nnx.merge(graphdef, params)
+    logits, cache = prefill(model, tokens, lengths, tokens.shape[1] + settings.max_new_tokens)
+    search = searcher(functools.partial(extend, model), logits.shape, **settings._asdict())
+    return search, search.start(cache, logits)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), compiler_options=COMPILER_OPTIONS)
-def _beam_program(graphdef, settings, params, tokens, lengths, ticket):
-    model = nnx.merge(graphdef, params)
-    logits, cache = prefill(model, tokens, lengths, tokens.shape[1] + settings.max_new_tokens)
-    return beam_search(functools.partial(extend, model), cache, logits, **settings._asdict(), ticket=ticket)
+def _beam_program(graphdef, settings, params, tokens, lengths):
+    search, carry = _beam_begun(graphdef, settings, params, tokens, lengths)
+    return search.finish(search.run(carry, settings.max_new_tokens)[0])
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), compiler_options=COMPILER_OPTIONS)
+def _beam_first(graphdef, settings, params, tokens, lengths, until):
+    search, carry = _beam_begun(graphdef, settings, params, tokens, lengths)
+    return search.run(carry, until)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=3, compiler_options=COMPILER_OPTIONS)
+def _beam_next(graphdef, settings, params, carry, until):
+    step = functools.partial(extend, nnx.merge(graphdef, params))
+    return searcher(step, (carry[1][0].shape[0], None), **settings._asdict()).run(carry, until)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def finish_search(settings, carry):
+    return searcher(None, (carry[1][0].shape[0], None), **settings._asdict()).finish(carry)
 
 
 def prepare_prompts(

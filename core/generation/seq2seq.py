@@ -1,7 +1,7 @@
 """Decoding an encoder-decoder (`core.model.encoder_decoder.EncoderDecoder`).
 
 Decoding (`generate_from_source`, `generate_beams_from_source`) runs core/generation/sampling.py's loop
-and `beam_search` with this model's own decode step: `encode_prefill` encodes the sources once,
+and beam search (`core.generation.beam`) with this model's own decode step: `encode_prefill` encodes the sources once,
 projects every decoder layer's keys and values of the memory once into the cache (and, for a
 copying head, its view of the source into the state beside it) and runs the decoder's prompt
 (`Start`: a beginning-of-sequence token, or Whisper's four), after each row's own earlier
@@ -22,8 +22,8 @@ from flax import nnx
 
 from core.errors import UserError
 from core.generation import abandon, chunks
-from core.generation.beam import Beams, beam_search
-from core.generation.generate import COMPILER_OPTIONS, step_logits
+from core.generation.beam import Beams, searcher
+from core.generation.generate import COMPILER_OPTIONS, finish_search, step_logits
 from core.generation.sampling import Generation, OnTokens, advance, beam_settings, begin, results, sampling_and_key
 from core.model.cache import Cache
 from core.model.encoder_decoder import EncoderDecoder, Start
@@ -225,16 +225,46 @@ def generate_beams_from_source(
     before = _previous(model, previous, start, settings.max_new_tokens)
     inputs, mask = prepare_sources(model, sources, settings.max_new_tokens, width, _prompt_width(start, before))
     graphdef, params = nnx.split(model)
-    outputs = _source_beam_program(graphdef, settings, start, params, inputs, mask, abandon.current(), before)
-    return Beams(*(np.asarray(x) for x in outputs))
+    ticket, static = abandon.current(), (graphdef, settings, start)
+    if ticket is None:
+        return Beams(*(np.asarray(x) for x in _source_beam_program(*static, params, inputs, mask, before)))
+    probed = []
+
+    def first(until):
+        carry, going, probe = _source_beam_first(*static, params, inputs, mask, before, until)
+        probed.append(probe)
+        return carry, going
+
+    carry = chunks.drive_search(first, lambda carry, until: _source_beam_next(*static, params, carry, until), ticket)
+    return Beams(*(np.asarray(x) for x in finish_search(settings, carry)[:3]), np.asarray(probed[0]))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2), compiler_options=COMPILER_OPTIONS)
-def _source_beam_program(graphdef, settings, start, params, inputs, mask, ticket, previous):
+def _source_beam_begun(graphdef, settings, start, params, inputs, mask, previous):
+    """The search, its carry after the sources' encoding, the prompt and the first token, and
+    the probed token's probability."""
     model = nnx.merge(graphdef, params)
     logits, state, probe = encode_prefill(model, inputs, mask, start, settings.max_new_tokens, previous)
     step = functools.partial(encoder_decoder_step, model, suppress=start.suppress)
-    return *beam_search(step, state, logits, **settings._asdict(), ticket=ticket)[:3], probe
+    search = searcher(step, logits.shape, **settings._asdict())
+    return search, search.start(state, logits), probe
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), compiler_options=COMPILER_OPTIONS)
+def _source_beam_program(graphdef, settings, start, params, inputs, mask, previous):
+    search, carry, probe = _source_beam_begun(graphdef, settings, start, params, inputs, mask, previous)
+    return *search.finish(search.run(carry, settings.max_new_tokens)[0])[:3], probe
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), compiler_options=COMPILER_OPTIONS)
+def _source_beam_first(graphdef, settings, start, params, inputs, mask, previous, until):
+    search, carry, probe = _source_beam_begun(graphdef, settings, start, params, inputs, mask, previous)
+    return *search.run(carry, until), probe
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=4, compiler_options=COMPILER_OPTIONS)
+def _source_beam_next(graphdef, settings, start, params, carry, until):
+    step = functools.partial(encoder_decoder_step, nnx.merge(graphdef, params), suppress=start.suppress)
+    return searcher(step, (carry[1][0].shape[0], None), **settings._asdict()).run(carry, until)
 
 
 def previous_room(model: EncoderDecoder, start: Start, max_new_tokens: int) -> int:
