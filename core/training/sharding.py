@@ -115,7 +115,8 @@ def wait(tree) -> None:
     if jax.process_count() == 1:
         jax.block_until_ready(tree)
         return
-    pending = [shard.data for leaf in jax.tree.leaves(tree) for shard in leaf.addressable_shards]
+    arrays = [leaf for leaf in jax.tree.leaves(tree) if isinstance(leaf, jax.Array)]  # not host values
+    pending = [shard.data for leaf in arrays for shard in leaf.addressable_shards]
     while True:
         for array in pending:
             if array.is_ready():
