@@ -124,15 +124,13 @@ def generate(
     settings, key = sampling_and_key(seed, **sampling)
     tokens, lengths = prepare_prompts(model, prompts, settings.max_new_tokens, width)
     graphdef, params = nnx.split(model)
-    ticket = abandon.current()
-    if on_tokens is None and ticket is None:
-        return Generation(
-            *(np.asarray(x) for x in _sample_program(graphdef, settings, use_cache, params, tokens, lengths, key))
-        )
-    static = graphdef, settings, use_cache
+    ticket, static = abandon.current(), (graphdef, settings, use_cache)
 
     def first(until):
         return _first_program(*static, params, tokens, lengths, key, until)
+
+    if on_tokens is None and ticket is None:  # one call, nobody watching
+        return Generation(*(np.asarray(x) for x in results(first(np.int32(settings.max_new_tokens)))))
 
     def then(carry, until):
         return _next_program(*static, params, carry, key, until)
@@ -175,12 +173,6 @@ def _begun(graphdef, sampling, use_cache, params, tokens, lengths, key):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), compiler_options=COMPILER_OPTIONS)
-def _sample_program(graphdef, sampling, use_cache, params, tokens, lengths, key):
-    step, carry = _begun(graphdef, sampling, use_cache, params, tokens, lengths, key)
-    return results(advance(step, carry, key, sampling, sampling.max_new_tokens))
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1, 2), compiler_options=COMPILER_OPTIONS)
 def _first_program(graphdef, sampling, use_cache, params, tokens, lengths, key, until):
     step, carry = _begun(graphdef, sampling, use_cache, params, tokens, lengths, key)
     return advance(step, carry, key, sampling, until)
@@ -202,13 +194,14 @@ def generate_beams(model: Model, prompts: Sequence[Sequence[int]], *, width: int
     tokens, lengths = prepare_prompts(model, prompts, settings.max_new_tokens, width)
     graphdef, params = nnx.split(model)
     ticket = abandon.current()
-    if ticket is None:
-        return Beams(*(np.asarray(x) for x in _beam_program(graphdef, settings, params, tokens, lengths)))
-    carry = chunks.drive_search(
-        lambda until: _beam_first(graphdef, settings, params, tokens, lengths, until),
-        lambda carry, until: _beam_next(graphdef, settings, params, carry, until),
-        ticket,
-    )
+    if ticket is None:  # one call, nobody watching
+        carry = _beam_first(graphdef, settings, params, tokens, lengths, np.int32(settings.max_new_tokens))[0]
+    else:
+        carry = chunks.drive_search(
+            lambda until: _beam_first(graphdef, settings, params, tokens, lengths, until),
+            lambda carry, until: _beam_next(graphdef, settings, params, carry, until),
+            ticket,
+        )
     return Beams(*(np.asarray(x) for x in finish_search(settings, carry)))
 
 
@@ -218,12 +211,6 @@ def _beam_begun(graphdef, settings, params, tokens, lengths):
     logits, cache = prefill(model, tokens, lengths, tokens.shape[1] + settings.max_new_tokens)
     search = searcher(functools.partial(extend, model), logits.shape, **settings._asdict())
     return search, search.start(cache, logits)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1), compiler_options=COMPILER_OPTIONS)
-def _beam_program(graphdef, settings, params, tokens, lengths):
-    search, carry = _beam_begun(graphdef, settings, params, tokens, lengths)
-    return search.finish(search.run(carry, settings.max_new_tokens)[0])
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), compiler_options=COMPILER_OPTIONS)

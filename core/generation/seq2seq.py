@@ -152,15 +152,16 @@ def generate_from_source(
     inputs, mask = prepare_sources(model, sources, settings.max_new_tokens, width, _prompt_width(start, before))
     graphdef, params = nnx.split(model)
     ticket, static = abandon.current(), (graphdef, settings, start)
-    if on_tokens is None and ticket is None:
-        outputs = _source_sample_program(*static, params, inputs, mask, key, before)
-        return Generation(*(np.asarray(x) for x in outputs))
     probed = []
 
     def first(until):
         carry, probe = _source_first_program(*static, params, inputs, mask, key, before, until)
         probed.append(probe)
         return carry
+
+    if on_tokens is None and ticket is None:  # one call, nobody watching
+        outputs = results(first(np.int32(settings.max_new_tokens)))
+        return Generation(*(np.asarray(x) for x in outputs), np.asarray(probed[0]))
 
     def then(carry, until):
         return _source_next_program(*static, params, carry, key, until)
@@ -176,12 +177,6 @@ def _source_begun(graphdef, sampling, start, params, inputs, mask, key, previous
     logits, state, probe = encode_prefill(model, inputs, mask, start, sampling.max_new_tokens, previous)
     step = functools.partial(encoder_decoder_step, model, suppress=start.suppress)
     return step, begin(state, logits, key, sampling), probe
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1, 2), compiler_options=COMPILER_OPTIONS)
-def _source_sample_program(graphdef, sampling, start, params, inputs, mask, key, previous):
-    step, carry, probe = _source_begun(graphdef, sampling, start, params, inputs, mask, key, previous)
-    return *results(advance(step, carry, key, sampling, sampling.max_new_tokens)), probe
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), compiler_options=COMPILER_OPTIONS)
@@ -226,8 +221,6 @@ def generate_beams_from_source(
     inputs, mask = prepare_sources(model, sources, settings.max_new_tokens, width, _prompt_width(start, before))
     graphdef, params = nnx.split(model)
     ticket, static = abandon.current(), (graphdef, settings, start)
-    if ticket is None:
-        return Beams(*(np.asarray(x) for x in _source_beam_program(*static, params, inputs, mask, before)))
     probed = []
 
     def first(until):
@@ -235,7 +228,12 @@ def generate_beams_from_source(
         probed.append(probe)
         return carry, going
 
-    carry = chunks.drive_search(first, lambda carry, until: _source_beam_next(*static, params, carry, until), ticket)
+    if ticket is None:  # one call, nobody watching
+        carry = first(np.int32(settings.max_new_tokens))[0]
+    else:
+        carry = chunks.drive_search(
+            first, lambda carry, until: _source_beam_next(*static, params, carry, until), ticket
+        )
     return Beams(*(np.asarray(x) for x in finish_search(settings, carry)[:3]), np.asarray(probed[0]))
 
 
@@ -247,12 +245,6 @@ def _source_beam_begun(graphdef, settings, start, params, inputs, mask, previous
     step = functools.partial(encoder_decoder_step, model, suppress=start.suppress)
     search = searcher(step, logits.shape, **settings._asdict())
     return search, search.start(state, logits), probe
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1, 2), compiler_options=COMPILER_OPTIONS)
-def _source_beam_program(graphdef, settings, start, params, inputs, mask, previous):
-    search, carry, probe = _source_beam_begun(graphdef, settings, start, params, inputs, mask, previous)
-    return *search.finish(search.run(carry, settings.max_new_tokens)[0])[:3], probe
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), compiler_options=COMPILER_OPTIONS)
